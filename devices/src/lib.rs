@@ -1,0 +1,20 @@
+//! Device models for the gdrvm VMM.
+//!
+//! Devices sit behind the [`BusDevice`] trait and are placed on a port-I/O or MMIO [`Bus`]
+//! by the VMM. A device never reaches into the VMM: what a guest access means for the
+//! machine as a whole (power off, reset, an exit status) is reported through
+//! [`GuestExitSignal`].
+
+mod bus;
+mod debug_exit;
+mod exit;
+mod i8042;
+mod serial;
+mod sleep;
+
+pub use bus::{Bus, BusDevice, BusError};
+pub use debug_exit::DebugExit;
+pub use exit::{GuestExit, GuestExitSignal};
+pub use i8042::I8042;
+pub use serial::{Serial, SerialInput, COM1_IRQ, COM1_PORT};
+pub use sleep::{AcpiSleepControl, ResetRegister, ACPI_RESET_PORT, ACPI_RESET_VALUE, ACPI_SLEEP_PORT, S5_SLEEP_TYPE};

@@ -1,0 +1,43 @@
+//! Data shared by the VMM and the in-guest agent.
+//!
+//! The VMM writes [`Expectations`] into the guest's initramfs; the image builder writes
+//! [`ImageManifest`]. The agent reads both and compares them with what Linux reports, so
+//! the agent never links the VMM (dependency arrows: agent ← model → vmm).
+
+use serde::{Deserialize, Serialize};
+
+/// Path, inside the guest, of the expectations the VMM appends to the initramfs.
+pub const EXPECT_PATH: &str = "/gdrvm/expect.json";
+/// Path, inside the guest, of the manifest the image builder writes.
+pub const IMAGE_MANIFEST_PATH: &str = "/gdrvm/image.json";
+/// I/O port of the debug-exit device: the guest writes its exit status (one byte) here.
+/// The same port as QEMU's `isa-debug-exit` default, so one agent serves both VMMs.
+pub const DEBUG_EXIT_PORT: u16 = 0x501;
+
+/// What the VMM promises the guest will see.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Expectations {
+    /// Number of vCPUs the VMM created.
+    pub cpus: u32,
+    /// Bytes of RAM the VMM gave the guest.
+    pub memory_bytes: u64,
+}
+
+/// What the image builder put into the initramfs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageManifest {
+    /// Image name from its recipe (e.g. `default`).
+    pub name: String,
+    /// `uname -r` of the kernel the image was built for.
+    pub kernel_release: String,
+    /// Kernel module files (paths inside the guest) in load order, dependencies first.
+    pub modules: Vec<String>,
+}
+
+impl Expectations {
+    /// Serializes to the JSON stored at [`EXPECT_PATH`].
+    pub fn to_json(&self) -> String {
+        // A struct of integers always serializes.
+        serde_json::to_string_pretty(self).unwrap_or_default()
+    }
+}

@@ -1,0 +1,128 @@
+//! What one VM run needs, validated before anything is created.
+
+use std::path::PathBuf;
+
+/// Smallest guest a stock Linux kernel with an initramfs can boot in.
+pub const MIN_MEMORY: u64 = 64 << 20;
+/// Largest guest this VMM lays out (guest-physical space it maps, 1 TiB).
+pub const MAX_MEMORY: u64 = 1 << 40;
+/// Most vCPUs (MADT local APIC entries are 8-bit; x2APIC comes with the topology work).
+pub const MAX_CPUS: u32 = 254;
+
+/// Errors in a VM configuration.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ConfigError {
+    /// A size string did not parse.
+    #[error("invalid size '{0}': expected a number with an optional K, M, G or T suffix (e.g. 512M)")]
+    BadSize(String),
+    /// Too little or too much memory.
+    #[error("memory {0} bytes is out of range: a guest needs at least 64 MiB and at most 1 TiB")]
+    MemoryOutOfRange(u64),
+    /// Zero or too many vCPUs.
+    #[error("cpus {0} is out of range: 1 to 254")]
+    CpusOutOfRange(u32),
+    /// An input file does not exist or cannot be read.
+    #[error("{what} '{path}' cannot be read: {reason}")]
+    Unreadable {
+        /// Which input ("kernel", "initrd").
+        what: &'static str,
+        /// The path given.
+        path: PathBuf,
+        /// The OS's reason.
+        reason: String,
+    },
+}
+
+/// One VM: what to boot and how big it is.
+#[derive(Debug, Clone)]
+pub struct VmConfig {
+    /// vmlinux (ELF, PVH or 64-bit entry) or bzImage.
+    pub kernel: PathBuf,
+    /// Initramfs (cpio, optionally compressed); the VMM appends its expectations to it.
+    pub initrd: Option<PathBuf>,
+    /// Kernel command line.
+    pub cmdline: String,
+    /// Number of vCPUs.
+    pub cpus: u32,
+    /// Guest RAM in bytes.
+    pub memory: u64,
+}
+
+impl VmConfig {
+    /// Checks ranges and that the input files can be opened.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if !(MIN_MEMORY..=MAX_MEMORY).contains(&self.memory) {
+            return Err(ConfigError::MemoryOutOfRange(self.memory));
+        }
+        if self.cpus == 0 || self.cpus > MAX_CPUS {
+            return Err(ConfigError::CpusOutOfRange(self.cpus));
+        }
+        check_readable("kernel", &self.kernel)?;
+        if let Some(initrd) = &self.initrd {
+            check_readable("initrd", initrd)?;
+        }
+        Ok(())
+    }
+}
+
+fn check_readable(what: &'static str, path: &std::path::Path) -> Result<(), ConfigError> {
+    let unreadable = |reason: String| ConfigError::Unreadable { what, path: path.to_owned(), reason };
+    let meta = std::fs::metadata(path).map_err(|e| unreadable(e.to_string()))?;
+    if !meta.is_file() {
+        return Err(unreadable("not a regular file".into()));
+    }
+    std::fs::File::open(path).map_err(|e| unreadable(e.to_string()))?;
+    Ok(())
+}
+
+/// Parses `512M`, `4G`, `1048576`, `2GiB` into bytes.
+pub fn parse_size(s: &str) -> Result<u64, ConfigError> {
+    let bad = || ConfigError::BadSize(s.to_owned());
+    let t = s.trim();
+    let t = t.strip_suffix("iB").or_else(|| t.strip_suffix('B')).unwrap_or(t);
+    let (digits, shift) = match t.chars().last() {
+        Some('K' | 'k') => (&t[..t.len() - 1], 10),
+        Some('M' | 'm') => (&t[..t.len() - 1], 20),
+        Some('G' | 'g') => (&t[..t.len() - 1], 30),
+        Some('T' | 't') => (&t[..t.len() - 1], 40),
+        _ => (t, 0),
+    };
+    let n: u64 = digits.parse().map_err(|_| bad())?;
+    n.checked_mul(1u64 << shift).ok_or_else(bad)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_parse_size() {
+        assert_eq!(parse_size("512M"), Ok(512 << 20));
+        assert_eq!(parse_size("4G"), Ok(4 << 30));
+        assert_eq!(parse_size("2GiB"), Ok(2 << 30));
+        assert_eq!(parse_size("1048576"), Ok(1 << 20));
+        assert_eq!(parse_size("1k"), Ok(1024));
+        for bad in ["", "M", "-1M", "1.5G", "12X", "99999999999T"] {
+            assert_eq!(parse_size(bad), Err(ConfigError::BadSize(bad.into())), "{bad}");
+        }
+    }
+
+    #[test]
+    fn test_validate_rejects_tiny_memory_and_missing_kernel() {
+        let dir = tempfile::tempdir().unwrap();
+        let kernel = dir.path().join("vmlinux");
+        std::fs::write(&kernel, b"x").unwrap();
+        let mut cfg = VmConfig { kernel, initrd: None, cmdline: String::new(), cpus: 1, memory: 1 << 20 };
+        assert_eq!(cfg.validate(), Err(ConfigError::MemoryOutOfRange(1 << 20)));
+        cfg.memory = 256 << 20;
+        cfg.cpus = 0;
+        assert_eq!(cfg.validate(), Err(ConfigError::CpusOutOfRange(0)));
+        cfg.cpus = 2;
+        assert_eq!(cfg.validate(), Ok(()));
+        cfg.kernel = dir.path().join("missing");
+        let err = cfg.validate().unwrap_err().to_string();
+        assert!(err.starts_with("kernel '") && err.contains("missing"), "{err}");
+        cfg.kernel = dir.path().to_owned();
+        assert!(cfg.validate().unwrap_err().to_string().contains("not a regular file"));
+    }
+}

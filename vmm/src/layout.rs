@@ -1,0 +1,131 @@
+//! The guest-physical memory map: where RAM, boot structures, firmware tables and the
+//! MMIO hole sit, and the e820 map that tells the kernel so.
+
+/// Start of the page holding the GDT used for the boot CPU's entry state.
+pub const BOOT_GDT_START: u64 = 0x500;
+/// Boot IDT (empty; the kernel installs its own).
+pub const BOOT_IDT_START: u64 = 0x520;
+/// PVH `hvm_start_info`.
+pub const PVH_INFO_START: u64 = 0x6000;
+/// PVH module list (the initrd).
+pub const PVH_MODLIST_START: u64 = 0x6040;
+/// PVH memory map table.
+pub const PVH_MEMMAP_START: u64 = 0x6100;
+/// Linux `boot_params` (the "zero page") for the 64-bit boot protocol.
+pub const ZERO_PAGE_START: u64 = 0x7000;
+/// Initial stack pointer for the boot CPU.
+pub const BOOT_STACK_POINTER: u64 = 0x8ff0;
+/// Identity page tables for the 64-bit entry: PML4, PDPT, PD.
+pub const PML4_START: u64 = 0x9000;
+/// Page-directory-pointer table.
+pub const PDPTE_START: u64 = 0xa000;
+/// Page directory (2 MiB pages covering the first 1 GiB).
+pub const PDE_START: u64 = 0xb000;
+/// Kernel command line.
+pub const CMDLINE_START: u64 = 0x20000;
+/// Longest command line accepted (the kernel's COMMAND_LINE_SIZE on x86_64).
+pub const CMDLINE_MAX_SIZE: usize = 2048;
+/// End of conventional low memory (start of the EBDA).
+pub const EBDA_START: u64 = 0x9fc00;
+/// Firmware tables: RSDP first (where legacy scans look), the others after it.
+pub const ACPI_START: u64 = 0xe0000;
+/// End of the BIOS area.
+pub const BIOS_END: u64 = 0x10_0000;
+/// Where the kernel may be loaded from (the ELF's physical addresses are at or above this).
+pub const HIMEM_START: u64 = 0x10_0000;
+/// Start of the 32-bit MMIO hole (PCI windows, ECAM, IOAPIC, LAPIC); RAM resumes at 4 GiB.
+pub const MMIO_HOLE_START: u64 = 0xc000_0000;
+/// First address above 4 GiB.
+pub const FOUR_GIB: u64 = 0x1_0000_0000;
+/// IOAPIC MMIO base.
+pub const IOAPIC_START: u64 = 0xfec0_0000;
+/// Local APIC MMIO base.
+pub const LAPIC_START: u64 = 0xfee0_0000;
+/// KVM's TSS (three pages, needed on Intel) just below the BIOS flash area.
+pub const KVM_TSS_ADDRESS: u64 = 0xfffb_d000;
+/// KVM's identity-map page (Intel real-mode emulation), the page before the TSS.
+pub const KVM_IDENTITY_MAP_ADDRESS: u64 = 0xfffb_c000;
+
+/// The kind of an e820 range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum E820Kind {
+    /// Usable RAM.
+    Ram = 1,
+    /// Reserved (firmware tables, BIOS area).
+    Reserved = 2,
+}
+
+/// One e820 range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct E820Entry {
+    /// First address.
+    pub addr: u64,
+    /// Length in bytes.
+    pub size: u64,
+    /// What the range is.
+    pub kind: E820Kind,
+}
+
+/// The guest RAM ranges for `memory` bytes: below the MMIO hole, then above 4 GiB.
+pub fn ram_ranges(memory: u64) -> Vec<(u64, u64)> {
+    if memory <= MMIO_HOLE_START {
+        vec![(0, memory)]
+    } else {
+        vec![(0, MMIO_HOLE_START), (FOUR_GIB, memory - MMIO_HOLE_START)]
+    }
+}
+
+/// The e820 map for `memory` bytes of RAM.
+pub fn e820_map(memory: u64) -> Vec<E820Entry> {
+    let mut map = vec![
+        E820Entry { addr: 0, size: EBDA_START, kind: E820Kind::Ram },
+        E820Entry { addr: EBDA_START, size: BIOS_END - EBDA_START, kind: E820Kind::Reserved },
+    ];
+    let low = low_ram_end(memory);
+    if low > HIMEM_START {
+        map.push(E820Entry { addr: HIMEM_START, size: low - HIMEM_START, kind: E820Kind::Ram });
+    }
+    if memory > MMIO_HOLE_START {
+        map.push(E820Entry { addr: FOUR_GIB, size: memory - MMIO_HOLE_START, kind: E820Kind::Ram });
+    }
+    map
+}
+
+/// Highest address + 1 of RAM below 4 GiB.
+pub fn low_ram_end(memory: u64) -> u64 {
+    memory.min(MMIO_HOLE_START)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+    const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn test_e820_small_guest() {
+        let map = e820_map(512 * MIB);
+        assert_eq!(
+            map,
+            vec![
+                E820Entry { addr: 0, size: 0x9fc00, kind: E820Kind::Ram },
+                E820Entry { addr: 0x9fc00, size: 0x60400, kind: E820Kind::Reserved },
+                E820Entry { addr: 0x10_0000, size: 512 * MIB - 0x10_0000, kind: E820Kind::Ram },
+            ]
+        );
+        let ram: u64 = map.iter().filter(|e| e.kind == E820Kind::Ram).map(|e| e.size).sum();
+        assert!(ram > 511 * MIB);
+    }
+
+    #[test]
+    fn test_e820_splits_around_mmio_hole() {
+        let map = e820_map(8 * GIB);
+        let high = map.last().unwrap();
+        assert_eq!(high.addr, FOUR_GIB);
+        assert_eq!(high.size, 8 * GIB - MMIO_HOLE_START);
+        assert_eq!(map[2].addr + map[2].size, MMIO_HOLE_START);
+        assert_eq!(ram_ranges(8 * GIB), vec![(0, MMIO_HOLE_START), (FOUR_GIB, 5 * GIB)]);
+        assert!(map.windows(2).all(|w| w[0].addr + w[0].size <= w[1].addr));
+    }
+}

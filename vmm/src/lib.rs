@@ -1,0 +1,15 @@
+//! gdrvm: a minimal VMM on the rust-vmm crates that boots a Linux guest straight from its
+//! kernel, with the firmware tables and devices a GPU training node's guest needs.
+
+pub mod acpi;
+pub mod boot;
+pub mod config;
+mod console;
+pub mod initrd;
+pub mod layout;
+pub mod machine;
+pub mod memory;
+pub mod vcpu;
+
+pub use config::{parse_size, ConfigError, VmConfig};
+pub use machine::{run, ConsoleOptions, Outcome, RunReport, VmmError};

@@ -1,0 +1,482 @@
+//! One VM from start to stop: KVM, memory, firmware, devices and vCPU threads, supervised by
+//! an event loop that feeds the console, watches for guest power-off and host signals, and
+//! tears everything down on every path.
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use event_manager::{EventManager, EventOps, Events, MutEventSubscriber, SubscriberOps};
+use gdrvm_devices::{
+    AcpiSleepControl, Bus, BusDevice, DebugExit, GuestExit, GuestExitSignal, ResetRegister, Serial, SerialInput, I8042,
+    ACPI_RESET_PORT, ACPI_SLEEP_PORT, COM1_IRQ, COM1_PORT,
+};
+use gdrvm_model::{Expectations, DEBUG_EXIT_PORT};
+use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, KVM_MAX_CPUID_ENTRIES, KVM_PIT_SPEAKER_DUMMY};
+use kvm_ioctls::{Kvm, VmFd};
+use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
+use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::eventfd::EventFd;
+use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
+
+use crate::config::{ConfigError, VmConfig};
+use crate::console::{EscapeFilter, InputAction, RawTerminal};
+use crate::vcpu::{self, ExitContext, VcpuError};
+use crate::{acpi, boot, initrd, layout, memory};
+
+/// Errors that stop a VM from being built or run.
+#[derive(Debug, thiserror::Error)]
+pub enum VmmError {
+    /// The configuration is invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// A KVM call failed.
+    #[error("KVM: cannot {what}")]
+    Kvm {
+        /// What was being done.
+        what: &'static str,
+        /// KVM's error.
+        #[source]
+        source: kvm_ioctls::Error,
+    },
+    /// Guest memory could not be created.
+    #[error(transparent)]
+    Memory(#[from] memory::MemoryError),
+    /// The initramfs is unusable.
+    #[error(transparent)]
+    Initrd(#[from] initrd::InitrdError),
+    /// The kernel could not be loaded.
+    #[error(transparent)]
+    Boot(#[from] boot::BootError),
+    /// The firmware tables could not be written.
+    #[error(transparent)]
+    Acpi(#[from] acpi::AcpiError),
+    /// A vCPU failed.
+    #[error(transparent)]
+    Vcpu(#[from] VcpuError),
+    /// Devices overlap.
+    #[error("device layout: {0}")]
+    Bus(#[from] gdrvm_devices::BusError),
+    /// A host resource (eventfd, epoll, signalfd, thread) could not be had.
+    #[error("host: cannot {what}")]
+    Host {
+        /// What was being done.
+        what: &'static str,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl VmmError {
+    /// True for errors in what the user asked for (exit status 2), as opposed to failures
+    /// to run it (125).
+    pub fn is_usage(&self) -> bool {
+        matches!(self, VmmError::Config(_))
+    }
+}
+
+fn host(what: &'static str) -> impl FnOnce(std::io::Error) -> VmmError {
+    move |source| VmmError::Host { what, source }
+}
+
+fn kvm(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmmError {
+    move |source| VmmError::Kvm { what, source }
+}
+
+/// How the VM stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// The guest powered off.
+    PoweredOff,
+    /// The guest reset (reboot, triple fault, panic with `panic=-1`).
+    Reset,
+    /// The host asked the VMM to stop (signal, or Ctrl-A x on the console).
+    Interrupted,
+}
+
+/// What one run produced.
+#[derive(Debug, Clone)]
+pub struct RunReport {
+    /// How the VM stopped.
+    pub outcome: Outcome,
+    /// The status the guest wrote to the debug-exit port, if any.
+    pub status: Option<u8>,
+    /// Time from `started` (given to [`run`]) to the boot CPU's first KVM_RUN.
+    pub setup: Option<Duration>,
+    /// Resident memory of the VMM beyond guest RAM (anonymous + file-backed), in KiB.
+    pub rss_beyond_guest_kib: Option<u64>,
+}
+
+/// Console wiring for a run.
+pub struct ConsoleOptions {
+    /// Where the guest's serial output goes.
+    pub output: Box<dyn Write + Send>,
+    /// Forward this host's standard input to the guest's serial port.
+    pub interactive: bool,
+}
+
+/// Builds the VM described by `config` and runs it until it stops.
+pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Result<RunReport, VmmError> {
+    config.validate()?;
+    // Host signals are read from a signalfd; block them before any thread starts.
+    let signals = SignalFd::new()?;
+    let kvm_sys = Kvm::new().map_err(kvm("open /dev/kvm"))?;
+    let vm = kvm_sys.create_vm().map_err(kvm("create a VM"))?;
+    vm.set_tss_address(layout::KVM_TSS_ADDRESS as usize).map_err(kvm("set the TSS address"))?;
+    vm.set_identity_map_address(layout::KVM_IDENTITY_MAP_ADDRESS).map_err(kvm("set the identity map address"))?;
+    vm.create_irq_chip().map_err(kvm("create the in-kernel irqchip"))?;
+    let pit = kvm_pit_config { flags: KVM_PIT_SPEAKER_DUMMY, ..Default::default() };
+    vm.create_pit2(pit).map_err(kvm("create the in-kernel PIT"))?;
+
+    let ram = memory::create(config.memory)?;
+    register_memory(&vm, &ram.memory)?;
+
+    let rsdp = acpi::write(&ram.memory, config.cpus)?;
+    let expect = Expectations { cpus: config.cpus, memory_bytes: config.memory };
+    let initrd = config.initrd.as_deref().map(|path| initrd::build(path, &expect)).transpose()?;
+    let entry = boot::load(&ram.memory, config, initrd.as_deref(), rsdp)?;
+    vcpu::write_boot_tables(&ram.memory, entry.mode)?;
+
+    let signal = Arc::new(GuestExitSignal::new().map_err(host("create an eventfd"))?);
+    let serial_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(host("create an eventfd"))?;
+    vm.register_irqfd(&serial_irq, COM1_IRQ).map_err(kvm("register the serial irqfd"))?;
+    let drained = EventFd::new(libc::EFD_NONBLOCK).map_err(host("create an eventfd"))?;
+    let serial = Arc::new(Mutex::new(Serial::new(
+        serial_irq,
+        drained.try_clone().map_err(host("clone an eventfd"))?,
+        console.output,
+    )));
+    let pio = Arc::new(port_io_bus(&signal, serial.clone())?);
+    let mmio = Arc::new(Bus::new("mmio"));
+
+    let base_cpuid = kvm_sys.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(kvm("read supported CPUID"))?;
+    let mut vcpus = Vec::new();
+    for id in 0..config.cpus {
+        let fd = vm.create_vcpu(u64::from(id)).map_err(kvm("create a vCPU"))?;
+        let boot = (id == 0).then_some(entry);
+        vcpu::configure(&fd, id, &vcpu::cpuid_for(&base_cpuid, id, config.cpus), boot)?;
+        vcpus.push(fd);
+    }
+
+    register_signal_handler(SIGRTMIN(), kick_handler).map_err(|e| VmmError::Host {
+        what: "install the vCPU kick handler",
+        source: std::io::Error::from_raw_os_error(e.errno()),
+    })?;
+    let vcpu_done = Arc::new(EventFd::new(libc::EFD_NONBLOCK).map_err(host("create an eventfd"))?);
+    let stop = Arc::new(AtomicBool::new(false));
+    let first_run = Arc::new(OnceLock::new());
+    let mut threads = VcpuThreads { handles: Vec::new(), stop: stop.clone() };
+    for (id, fd) in (0u32..).zip(vcpus) {
+        let ctx = ExitContext { pio: pio.clone(), mmio: mmio.clone(), signal: signal.clone(), stop: stop.clone() };
+        let (done, first_run) = (vcpu_done.clone(), first_run.clone());
+        let handle = std::thread::Builder::new()
+            .name(format!("vcpu{id}"))
+            .spawn(move || {
+                if id == 0 {
+                    let _ = first_run.set(Instant::now());
+                }
+                let result = vcpu::run(fd, id, &ctx);
+                let _ = done.write(1);
+                result
+            })
+            .map_err(host("start a vCPU thread"))?;
+        threads.handles.push(handle);
+    }
+
+    let _raw = if console.interactive { RawTerminal::enter(libc::STDIN_FILENO) } else { None };
+    let supervisor = Arc::new(Mutex::new(Supervisor {
+        exit_evt: signal.eventfd().try_clone().map_err(host("clone an eventfd"))?,
+        vcpu_done: vcpu_done.try_clone().map_err(host("clone an eventfd"))?,
+        signals,
+        input: console.interactive.then(|| ConsoleInput::new(serial.clone(), drained)),
+        stop: None,
+    }));
+    let mut events = EventManager::<Arc<Mutex<Supervisor>>>::new().map_err(|e| VmmError::Host {
+        what: "create the event loop",
+        source: std::io::Error::other(format!("{e:?}")),
+    })?;
+    events.add_subscriber(supervisor.clone());
+    let cause = loop {
+        if let Err(e) = events.run() {
+            tracing::warn!("event loop: {e:?}");
+        }
+        if let Some(cause) = supervisor.lock().unwrap_or_else(|p| p.into_inner()).stop {
+            break cause;
+        }
+    };
+    let vcpu_errors = threads.stop_all();
+    if let Some(err) = vcpu_errors.into_iter().next() {
+        return Err(err.into());
+    }
+    let outcome = match cause {
+        StopCause::Guest => match signal.exit() {
+            Some(GuestExit::Reset) => Outcome::Reset,
+            _ => Outcome::PoweredOff,
+        },
+        StopCause::VcpuExited => signal.exit().map_or(Outcome::PoweredOff, |e| match e {
+            GuestExit::Reset => Outcome::Reset,
+            GuestExit::PowerOff => Outcome::PoweredOff,
+        }),
+        StopCause::Interrupted => Outcome::Interrupted,
+    };
+    Ok(RunReport {
+        outcome,
+        status: signal.status(),
+        setup: first_run.get().map(|t| t.duration_since(started)),
+        rss_beyond_guest_kib: rss_beyond_guest_kib(),
+    })
+}
+
+fn register_memory(vm: &VmFd, mem: &vm_memory::GuestMemoryMmap) -> Result<(), VmmError> {
+    for (slot, region) in (0u32..).zip(mem.iter()) {
+        let host_addr = mem
+            .get_host_address(region.start_addr())
+            .map_err(|_| VmmError::Host { what: "map guest memory", source: std::io::Error::from_raw_os_error(libc::EFAULT) })?;
+        let region = kvm_userspace_memory_region {
+            slot,
+            guest_phys_addr: region.start_addr().0,
+            memory_size: region.len(),
+            userspace_addr: host_addr as u64,
+            flags: 0,
+        };
+        // SAFETY: the region is a live mapping owned by `mem`, which outlives the VM's use
+        // of it: vCPU threads are joined before `run` returns and drops the memory.
+        unsafe { vm.set_user_memory_region(region) }.map_err(kvm("register guest memory"))?;
+    }
+    Ok(())
+}
+
+fn port_io_bus(signal: &Arc<GuestExitSignal>, serial: Arc<Mutex<Serial>>) -> Result<Bus, VmmError> {
+    let mut pio = Bus::new("pio");
+    let mut add = |dev: Arc<Mutex<dyn BusDevice>>, port: u16, len: u64| pio.insert(dev, u64::from(port), len);
+    add(serial, COM1_PORT, 8)?;
+    add(Arc::new(Mutex::new(DebugExit::new(signal.clone()))), DEBUG_EXIT_PORT, 1)?;
+    add(Arc::new(Mutex::new(I8042::new(signal.clone()))), I8042::PORT, I8042::LEN)?;
+    add(Arc::new(Mutex::new(AcpiSleepControl::new(signal.clone()))), ACPI_SLEEP_PORT, 2)?;
+    add(Arc::new(Mutex::new(ResetRegister::new(signal.clone()))), ACPI_RESET_PORT, 1)?;
+    Ok(pio)
+}
+
+extern "C" fn kick_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
+
+/// The vCPU threads; stopping them is the same on every exit path, including errors
+/// between spawning and the event loop (through `Drop`).
+struct VcpuThreads {
+    handles: Vec<JoinHandle<Result<(), VcpuError>>>,
+    stop: Arc<AtomicBool>,
+}
+
+impl VcpuThreads {
+    /// Asks every vCPU to stop, kicks it out of KVM_RUN until it does, and joins it.
+    fn stop_all(&mut self) -> Vec<VcpuError> {
+        self.stop.store(true, Ordering::Release);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while self.handles.iter().any(|h| !h.is_finished()) && Instant::now() < deadline {
+            for h in self.handles.iter().filter(|h| !h.is_finished()) {
+                // A thread that already left KVM_RUN ignores the signal.
+                let _ = h.kill(SIGRTMIN());
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let mut errors = Vec::new();
+        for h in self.handles.drain(..) {
+            if !h.is_finished() {
+                tracing::error!("a vCPU thread did not stop; leaving it to process exit");
+                continue;
+            }
+            match h.join() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => errors.push(e),
+                Err(_) => tracing::error!("a vCPU thread panicked"),
+            }
+        }
+        errors
+    }
+}
+
+impl Drop for VcpuThreads {
+    fn drop(&mut self) {
+        for e in self.stop_all() {
+            tracing::error!("{e}");
+        }
+    }
+}
+
+/// Why the event loop stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StopCause {
+    /// A device reported a guest power-off or reset.
+    Guest,
+    /// A vCPU thread left its loop (error, triple fault).
+    VcpuExited,
+    /// SIGINT, SIGTERM or SIGHUP, or Ctrl-A x.
+    Interrupted,
+}
+
+/// A signalfd for SIGINT, SIGTERM and SIGHUP, which are blocked for the whole process
+/// while it exists so that they arrive here instead of killing the VMM mid-teardown.
+struct SignalFd {
+    file: File,
+    previous: libc::sigset_t,
+}
+
+impl SignalFd {
+    fn new() -> Result<SignalFd, VmmError> {
+        // SAFETY: sigset_t is plain data; sigemptyset initializes it before use.
+        let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+        // SAFETY: as above; `previous` is written by pthread_sigmask.
+        let mut previous: libc::sigset_t = unsafe { std::mem::zeroed() };
+        // SAFETY: `set` is a valid sigset_t owned by this frame; the signal numbers are valid.
+        unsafe {
+            libc::sigemptyset(&mut set);
+            for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+                libc::sigaddset(&mut set, sig);
+            }
+        }
+        // SAFETY: blocks signals for this thread (and threads it starts); both sets are valid.
+        let rc = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, &mut previous) };
+        if rc != 0 {
+            return Err(host("block signals")(std::io::Error::from_raw_os_error(rc)));
+        }
+        // SAFETY: creates a new descriptor from a valid set; the result is checked.
+        let fd = unsafe { libc::signalfd(-1, &set, libc::SFD_NONBLOCK | libc::SFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(host("create a signalfd")(std::io::Error::last_os_error()));
+        }
+        // SAFETY: `fd` is a fresh descriptor owned by nothing else.
+        Ok(SignalFd { file: unsafe { File::from_raw_fd(fd) }, previous })
+    }
+}
+
+impl Drop for SignalFd {
+    fn drop(&mut self) {
+        // SAFETY: restores the mask saved in `new`.
+        unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &self.previous, std::ptr::null_mut()) };
+    }
+}
+
+impl AsRawFd for SignalFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.file.as_raw_fd()
+    }
+}
+
+/// Feeds the host's standard input to the guest's serial port, pausing while the receive
+/// FIFO is full and resuming when the guest drains it.
+struct ConsoleInput {
+    serial: Arc<Mutex<Serial>>,
+    drained: EventFd,
+    pending: Vec<u8>,
+    escape: EscapeFilter,
+    stdin_open: bool,
+}
+
+impl ConsoleInput {
+    fn new(serial: Arc<Mutex<Serial>>, drained: EventFd) -> Self {
+        ConsoleInput { serial, drained, pending: Vec::new(), escape: EscapeFilter::default(), stdin_open: true }
+    }
+
+    fn stdin_events() -> Events {
+        Events::empty_raw(libc::STDIN_FILENO).with_set(EventSet::IN)
+    }
+
+    /// Pushes pending bytes into the FIFO; true when everything went in.
+    fn flush(&mut self) -> bool {
+        let took = self.serial.lock().unwrap_or_else(|p| p.into_inner()).enqueue(&self.pending);
+        self.pending.drain(..took);
+        self.pending.is_empty()
+    }
+}
+
+trait EventsExt {
+    fn with_set(self, set: EventSet) -> Events;
+}
+
+impl EventsExt for Events {
+    fn with_set(self, set: EventSet) -> Events {
+        Events::with_data_raw(self.fd(), 0, set)
+    }
+}
+
+struct Supervisor {
+    exit_evt: EventFd,
+    vcpu_done: EventFd,
+    signals: SignalFd,
+    input: Option<ConsoleInput>,
+    stop: Option<StopCause>,
+}
+
+impl MutEventSubscriber for Supervisor {
+    fn init(&mut self, ops: &mut EventOps) {
+        let mut add = |e: Events| {
+            if let Err(err) = ops.add(e) {
+                tracing::error!("event loop registration failed: {err:?}");
+            }
+        };
+        add(Events::new(&self.exit_evt, EventSet::IN));
+        add(Events::new(&self.vcpu_done, EventSet::IN));
+        add(Events::new(&self.signals, EventSet::IN));
+        if let Some(input) = &self.input {
+            add(ConsoleInput::stdin_events());
+            add(Events::new(&input.drained, EventSet::IN));
+        }
+    }
+
+    fn process(&mut self, events: Events, ops: &mut EventOps) {
+        let fd = events.fd();
+        if fd == self.exit_evt.as_raw_fd() {
+            let _ = self.exit_evt.read();
+            self.stop.get_or_insert(StopCause::Guest);
+        } else if fd == self.vcpu_done.as_raw_fd() {
+            let _ = self.vcpu_done.read();
+            self.stop.get_or_insert(StopCause::VcpuExited);
+        } else if fd == self.signals.as_raw_fd() {
+            let mut info = [0u8; std::mem::size_of::<libc::signalfd_siginfo>()];
+            let _ = self.signals.file.read(&mut info);
+            self.stop.get_or_insert(StopCause::Interrupted);
+        } else if let Some(input) = self.input.as_mut() {
+            if fd == input.drained.as_raw_fd() {
+                let _ = input.drained.read();
+                if !input.pending.is_empty() && input.flush() && input.stdin_open {
+                    let _ = ops.add(ConsoleInput::stdin_events());
+                }
+            } else if fd == libc::STDIN_FILENO {
+                let mut buf = [0u8; 256];
+                // SAFETY: reads into a stack buffer of the stated length.
+                let n = unsafe { libc::read(libc::STDIN_FILENO, buf.as_mut_ptr().cast(), buf.len()) };
+                if n <= 0 {
+                    input.stdin_open = false;
+                    let _ = ops.remove(ConsoleInput::stdin_events());
+                    return;
+                }
+                match input.escape.feed(&buf[..n as usize]) {
+                    InputAction::Quit => {
+                        self.stop.get_or_insert(StopCause::Interrupted);
+                    }
+                    InputAction::Forward(bytes) => {
+                        input.pending.extend_from_slice(&bytes);
+                        if !input.flush() {
+                            // FIFO full: stop reading until the guest drains it.
+                            let _ = ops.remove(ConsoleInput::stdin_events());
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// RssAnon + RssFile of this process: what the VMM itself uses, leaving out the shared
+/// memfd pages of guest RAM (RssShmem).
+fn rss_beyond_guest_kib() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let field = |name: &str| {
+        status.lines().find_map(|l| l.strip_prefix(name)).and_then(|v| v.trim().trim_end_matches(" kB").trim().parse::<u64>().ok())
+    };
+    Some(field("RssAnon:")? + field("RssFile:")?)
+}

@@ -1,0 +1,384 @@
+//! vCPUs: the architectural state each one starts with (CPUID, MSRs, FPU, LAPIC, and for
+//! the boot CPU the registers of its entry protocol) and the exit loop that serves its
+//! port and MMIO accesses.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use gdrvm_devices::{Bus, GuestExit, GuestExitSignal};
+use kvm_bindings::{kvm_fpu, kvm_msr_entry, kvm_regs, kvm_segment, CpuId, Msrs};
+use kvm_ioctls::{VcpuExit, VcpuFd};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+
+use crate::boot::{BootEntry, EntryMode};
+use crate::layout;
+
+/// Errors configuring or running a vCPU.
+#[derive(Debug, thiserror::Error)]
+pub enum VcpuError {
+    /// A KVM ioctl failed while setting up the vCPU.
+    #[error("cannot set up vCPU {id}: {what}")]
+    Setup {
+        /// vCPU index.
+        id: u32,
+        /// The state being set.
+        what: &'static str,
+        /// KVM's error.
+        #[source]
+        source: kvm_ioctls::Error,
+    },
+    /// Boot page tables or GDT could not be written.
+    #[error("cannot write the boot CPU's {0} into guest memory")]
+    GuestWrite(&'static str),
+    /// KVM_RUN failed.
+    #[error("vCPU {id}: KVM_RUN failed")]
+    Run {
+        /// vCPU index.
+        id: u32,
+        /// KVM's error.
+        #[source]
+        source: kvm_ioctls::Error,
+    },
+    /// KVM could not enter or emulate the guest (on kvm_pvm: a stock kernel's instructions).
+    #[error("vCPU {id}: KVM stopped the guest: {reason}")]
+    Hardware {
+        /// vCPU index.
+        id: u32,
+        /// The exit KVM reported.
+        reason: String,
+    },
+}
+
+// GDT entries: access byte in bits 0-7, flags (AVL, L, D/B, G) in bits 12-15.
+const GDT_CODE64: u16 = 0xa09b;
+const GDT_CODE32: u16 = 0xc09b;
+const GDT_DATA: u16 = 0xc093;
+const GDT_TSS: u16 = 0x808b;
+
+const X86_CR0_PE: u64 = 0x1;
+const X86_CR0_PG: u64 = 0x8000_0000;
+const X86_CR4_PAE: u64 = 0x20;
+const EFER_LME: u64 = 0x100;
+const EFER_LMA: u64 = 0x400;
+
+const APIC_LVT0: usize = 0x350;
+const APIC_LVT1: usize = 0x360;
+const APIC_MODE_NMI: u32 = 0x4;
+const APIC_MODE_EXTINT: u32 = 0x7;
+
+const MSR_IA32_SYSENTER_CS: u32 = 0x174;
+const MSR_IA32_SYSENTER_ESP: u32 = 0x175;
+const MSR_IA32_SYSENTER_EIP: u32 = 0x176;
+const MSR_STAR: u32 = 0xc000_0081;
+const MSR_LSTAR: u32 = 0xc000_0082;
+const MSR_CSTAR: u32 = 0xc000_0083;
+const MSR_SYSCALL_MASK: u32 = 0xc000_0084;
+const MSR_KERNEL_GS_BASE: u32 = 0xc000_0102;
+const MSR_IA32_TSC: u32 = 0x10;
+const MSR_MTRR_DEF_TYPE: u32 = 0x2ff;
+/// MTRRs enabled, default type write-back.
+const MTRR_ENABLE_WB: u64 = (1 << 11) | 6;
+
+fn gdt_entry(flags: u16, base: u32, limit: u32) -> u64 {
+    let (flags, base, limit) = (u64::from(flags), u64::from(base), u64::from(limit));
+    ((base & 0xff00_0000) << 32)
+        | ((base & 0x00ff_ffff) << 16)
+        | (limit & 0xffff)
+        | ((limit & 0xf_0000) << 32)
+        | ((flags & 0xf0ff) << 40)
+}
+
+fn segment(index: u16, flags: u16, base: u32, limit: u32) -> kvm_segment {
+    let g = (flags >> 15) & 1;
+    kvm_segment {
+        base: u64::from(base),
+        limit: if g == 1 { (limit << 12) | 0xfff } else { limit },
+        selector: index * 8,
+        type_: (flags & 0xf) as u8,
+        s: ((flags >> 4) & 1) as u8,
+        dpl: ((flags >> 5) & 3) as u8,
+        present: ((flags >> 7) & 1) as u8,
+        avl: ((flags >> 12) & 1) as u8,
+        l: ((flags >> 13) & 1) as u8,
+        db: ((flags >> 14) & 1) as u8,
+        g: g as u8,
+        unusable: 0,
+        padding: 0,
+    }
+}
+
+/// Per-vCPU CPUID: the host's supported leaves with this vCPU's APIC id and the machine's
+/// CPU count in the topology leaves (Intel 0x1/0xb/0x1f and AMD 0x8000_0008/0x8000_001e).
+pub fn cpuid_for(base: &CpuId, id: u32, cpus: u32) -> CpuId {
+    let mut cpuid = base.clone();
+    let shift = u32::BITS - (cpus.max(1) - 1).leading_zeros();
+    for e in cpuid.as_mut_slice() {
+        match e.function {
+            0x1 => {
+                e.ebx = (id << 24) | ((cpus & 0xff) << 16) | (e.ebx & 0xffff);
+                e.ecx |= 1 << 31; // running under a hypervisor
+                if cpus > 1 {
+                    e.edx |= 1 << 28; // HTT: the count in ebx is valid
+                }
+            }
+            0xb | 0x1f => {
+                let (eax, ebx, level) = match e.index {
+                    0 => (0, 1, 1),           // SMT level: one thread per core
+                    1 => (shift, cpus, 2),    // core level: every vCPU is a core
+                    _ => (0, 0, 0),
+                };
+                e.eax = eax;
+                e.ebx = ebx;
+                e.ecx = (level << 8) | e.index;
+                e.edx = id;
+            }
+            0x8000_0008 => e.ecx = (shift << 12) | (cpus - 1),
+            0x8000_001e => {
+                e.eax = id;
+                e.ebx = id & 0xff;
+                e.ecx = 0;
+                e.edx = 0;
+            }
+            _ => {}
+        }
+    }
+    cpuid
+}
+
+/// Sets up vCPU `id`: CPUID, MSRs, FPU and LAPIC for all; registers for the boot CPU.
+pub fn configure(vcpu: &VcpuFd, id: u32, cpuid: &CpuId, boot: Option<BootEntry>) -> Result<(), VcpuError> {
+    let setup = |what| move |source| VcpuError::Setup { id, what, source };
+    vcpu.set_cpuid2(cpuid).map_err(setup("CPUID"))?;
+    set_msrs(vcpu, id)?;
+    let fpu = kvm_fpu { fcw: 0x37f, mxcsr: 0x1f80, ..Default::default() };
+    vcpu.set_fpu(&fpu).map_err(setup("FPU"))?;
+    set_lint(vcpu, id)?;
+    if let Some(entry) = boot {
+        set_boot_registers(vcpu, id, entry)?;
+    }
+    Ok(())
+}
+
+fn set_msrs(vcpu: &VcpuFd, id: u32) -> Result<(), VcpuError> {
+    let entries: Vec<kvm_msr_entry> = [
+        (MSR_IA32_SYSENTER_CS, 0),
+        (MSR_IA32_SYSENTER_ESP, 0),
+        (MSR_IA32_SYSENTER_EIP, 0),
+        (MSR_STAR, 0),
+        (MSR_CSTAR, 0),
+        (MSR_KERNEL_GS_BASE, 0),
+        (MSR_SYSCALL_MASK, 0),
+        (MSR_LSTAR, 0),
+        (MSR_IA32_TSC, 0),
+        (MSR_MTRR_DEF_TYPE, MTRR_ENABLE_WB),
+    ]
+    .into_iter()
+    .map(|(index, data)| kvm_msr_entry { index, data, ..Default::default() })
+    .collect();
+    let msrs = Msrs::from_entries(&entries).map_err(|_| VcpuError::Setup {
+        id,
+        what: "MSRs",
+        source: kvm_ioctls::Error::new(libc::EINVAL),
+    })?;
+    let written = vcpu.set_msrs(&msrs).map_err(|source| VcpuError::Setup { id, what: "MSRs", source })?;
+    if written != entries.len() {
+        tracing::debug!(id, written, wanted = entries.len(), "KVM accepted only some boot MSRs");
+    }
+    Ok(())
+}
+
+/// LINT0 delivers the 8259's ExtINT, LINT1 delivers NMIs, as a PC's BIOS leaves them.
+fn set_lint(vcpu: &VcpuFd, id: u32) -> Result<(), VcpuError> {
+    let setup = |source| VcpuError::Setup { id, what: "LAPIC", source };
+    let mut lapic = vcpu.get_lapic().map_err(setup)?;
+    for (reg, mode) in [(APIC_LVT0, APIC_MODE_EXTINT), (APIC_LVT1, APIC_MODE_NMI)] {
+        let bytes: [u8; 4] = std::array::from_fn(|i| lapic.regs[reg + i] as u8);
+        let value = (u32::from_le_bytes(bytes) & !0x700) | (mode << 8);
+        for (i, b) in value.to_le_bytes().into_iter().enumerate() {
+            lapic.regs[reg + i] = b as _;
+        }
+    }
+    vcpu.set_lapic(&lapic).map_err(setup)
+}
+
+fn set_boot_registers(vcpu: &VcpuFd, id: u32, entry: BootEntry) -> Result<(), VcpuError> {
+    let setup = |what| move |source| VcpuError::Setup { id, what, source };
+    let mut sregs = vcpu.get_sregs().map_err(setup("special registers"))?;
+    let code_flags = match entry.mode {
+        EntryMode::Pvh => GDT_CODE32,
+        EntryMode::Linux64 => GDT_CODE64,
+    };
+    let code = segment(1, code_flags, 0, 0xfffff);
+    let data = segment(2, GDT_DATA, 0, 0xfffff);
+    let tss = segment(3, GDT_TSS, 0, 0xfffff);
+    sregs.cs = code;
+    sregs.ds = data;
+    sregs.es = data;
+    sregs.fs = data;
+    sregs.gs = data;
+    sregs.ss = data;
+    sregs.tr = tss;
+    sregs.gdt.base = layout::BOOT_GDT_START;
+    sregs.gdt.limit = 4 * 8 - 1;
+    sregs.idt.base = layout::BOOT_IDT_START;
+    sregs.idt.limit = 7;
+
+    let mut regs = kvm_regs { rflags: 0x2, rip: entry.rip, ..Default::default() };
+    match entry.mode {
+        EntryMode::Pvh => {
+            sregs.cr0 = X86_CR0_PE;
+            sregs.cr4 = 0;
+            sregs.efer = 0;
+            regs.rbx = layout::PVH_INFO_START;
+        }
+        EntryMode::Linux64 => {
+            sregs.cr3 = layout::PML4_START;
+            sregs.cr4 |= X86_CR4_PAE;
+            sregs.cr0 |= X86_CR0_PE | X86_CR0_PG;
+            sregs.efer |= EFER_LME | EFER_LMA;
+            regs.rsp = layout::BOOT_STACK_POINTER;
+            regs.rbp = layout::BOOT_STACK_POINTER;
+            regs.rsi = layout::ZERO_PAGE_START;
+        }
+    }
+    vcpu.set_sregs(&sregs).map_err(setup("special registers"))?;
+    vcpu.set_regs(&regs).map_err(setup("registers"))
+}
+
+/// Writes the boot GDT (and, for the 64-bit entry, identity page tables for the first GiB).
+pub fn write_boot_tables(mem: &GuestMemoryMmap, mode: EntryMode) -> Result<(), VcpuError> {
+    let code = if mode == EntryMode::Pvh { GDT_CODE32 } else { GDT_CODE64 };
+    let gdt = [0, gdt_entry(code, 0, 0xfffff), gdt_entry(GDT_DATA, 0, 0xfffff), gdt_entry(GDT_TSS, 0, 0xfffff)];
+    for (i, e) in gdt.iter().enumerate() {
+        mem.write_obj(*e, GuestAddress(layout::BOOT_GDT_START + 8 * i as u64)).map_err(|_| VcpuError::GuestWrite("GDT"))?;
+    }
+    mem.write_obj(0u64, GuestAddress(layout::BOOT_IDT_START)).map_err(|_| VcpuError::GuestWrite("IDT"))?;
+    if mode == EntryMode::Linux64 {
+        let pt = |_| VcpuError::GuestWrite("page tables");
+        mem.write_obj(layout::PDPTE_START | 0x3, GuestAddress(layout::PML4_START)).map_err(pt)?;
+        mem.write_obj(layout::PDE_START | 0x3, GuestAddress(layout::PDPTE_START)).map_err(pt)?;
+        for i in 0..512u64 {
+            // 2 MiB pages, present + writable + page size.
+            mem.write_obj((i << 21) | 0x83, GuestAddress(layout::PDE_START + i * 8)).map_err(pt)?;
+        }
+    }
+    Ok(())
+}
+
+/// What a vCPU thread needs to serve its exits.
+pub struct ExitContext {
+    /// Port I/O devices.
+    pub pio: Arc<Bus>,
+    /// MMIO devices.
+    pub mmio: Arc<Bus>,
+    /// Where guest power-off and reset requests go.
+    pub signal: Arc<GuestExitSignal>,
+    /// Set by the VMM to make every vCPU leave its loop.
+    pub stop: Arc<AtomicBool>,
+}
+
+/// Runs vCPU `id` until the VMM asks it to stop or the guest cannot go on.
+pub fn run(mut vcpu: VcpuFd, id: u32, ctx: &ExitContext) -> Result<(), VcpuError> {
+    while !ctx.stop.load(Ordering::Acquire) {
+        match vcpu.run() {
+            Ok(VcpuExit::IoIn(port, data)) => {
+                ctx.pio.read(u64::from(port), data);
+            }
+            Ok(VcpuExit::IoOut(port, data)) => {
+                ctx.pio.write(u64::from(port), data);
+            }
+            Ok(VcpuExit::MmioRead(addr, data)) => {
+                ctx.mmio.read(addr, data);
+            }
+            Ok(VcpuExit::MmioWrite(addr, data)) => {
+                ctx.mmio.write(addr, data);
+            }
+            Ok(VcpuExit::Shutdown) => {
+                // Triple fault: a PC resets.
+                tracing::debug!(id, "triple fault");
+                ctx.signal.request(GuestExit::Reset);
+                return Ok(());
+            }
+            Ok(VcpuExit::SystemEvent(kind, _)) => {
+                let exit = if kind == kvm_bindings::KVM_SYSTEM_EVENT_RESET { GuestExit::Reset } else { GuestExit::PowerOff };
+                ctx.signal.request(exit);
+                return Ok(());
+            }
+            Ok(VcpuExit::Hlt) => {
+                // With the in-kernel LAPIC, HLT only exits when the vCPU can never wake.
+                ctx.signal.request(GuestExit::PowerOff);
+                return Ok(());
+            }
+            Ok(VcpuExit::Intr) => {}
+            Ok(VcpuExit::FailEntry(reason, cpu)) => {
+                return Err(VcpuError::Hardware { id, reason: format!("entry failed (reason {reason:#x}, host cpu {cpu})") });
+            }
+            Ok(VcpuExit::InternalError) => {
+                // SAFETY: KVM filled the `internal` member for a KVM_EXIT_INTERNAL_ERROR exit.
+                let sub = unsafe { vcpu.get_kvm_run().__bindgen_anon_1.internal.suberror };
+                let reason = match sub {
+                    1 => "instruction emulation failed".to_string(),
+                    other => format!("internal error, suberror {other}"),
+                };
+                return Err(VcpuError::Hardware { id, reason });
+            }
+            Ok(other) => {
+                tracing::debug!(id, exit = ?other, "unhandled vCPU exit");
+            }
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {}
+            Err(source) => return Err(VcpuError::Run { id, source }),
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_gdt_entries_match_segments() {
+        // The long-mode code segment Linux expects: base 0, 4 GiB limit, L=1.
+        assert_eq!(gdt_entry(GDT_CODE64, 0, 0xfffff), 0x00af_9b00_0000_ffff);
+        assert_eq!(gdt_entry(GDT_CODE32, 0, 0xfffff), 0x00cf_9b00_0000_ffff);
+        assert_eq!(gdt_entry(GDT_DATA, 0, 0xfffff), 0x00cf_9300_0000_ffff);
+        let cs = segment(1, GDT_CODE64, 0, 0xfffff);
+        assert_eq!((cs.selector, cs.l, cs.db, cs.type_, cs.present, cs.limit), (8, 1, 0, 0xb, 1, 0xffff_ffff));
+        let cs32 = segment(1, GDT_CODE32, 0, 0xfffff);
+        assert_eq!((cs32.l, cs32.db), (0, 1));
+        let tr = segment(3, GDT_TSS, 0, 0xfffff);
+        assert_eq!((tr.selector, tr.s, tr.type_), (0x18, 0, 0xb));
+    }
+
+    #[test]
+    fn test_cpuid_topology_per_vcpu() {
+        let entries = [
+            kvm_bindings::kvm_cpuid_entry2 { function: 1, ebx: 0x0800, ..Default::default() },
+            kvm_bindings::kvm_cpuid_entry2 { function: 0xb, index: 0, ..Default::default() },
+            kvm_bindings::kvm_cpuid_entry2 { function: 0xb, index: 1, ..Default::default() },
+            kvm_bindings::kvm_cpuid_entry2 { function: 0x8000_0008, ..Default::default() },
+        ];
+        let base = CpuId::from_entries(&entries).unwrap();
+        let c = cpuid_for(&base, 3, 4);
+        let e = c.as_slice();
+        assert_eq!(e[0].ebx >> 24, 3);
+        assert_eq!((e[0].ebx >> 16) & 0xff, 4);
+        assert_eq!(e[0].ebx & 0xffff, 0x0800);
+        assert_ne!(e[0].ecx & (1 << 31), 0);
+        assert_eq!((e[1].ebx, e[1].edx, e[1].ecx >> 8), (1, 3, 1));
+        assert_eq!((e[2].eax, e[2].ebx, e[2].ecx >> 8), (2, 4, 2));
+        assert_eq!(e[3].ecx, (2 << 12) | 3);
+    }
+
+    #[test]
+    fn test_page_tables_identity_map_first_gib() {
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+        write_boot_tables(&mem, EntryMode::Linux64).unwrap();
+        let pml4: u64 = mem.read_obj(GuestAddress(layout::PML4_START)).unwrap();
+        assert_eq!(pml4, layout::PDPTE_START | 3);
+        let last: u64 = mem.read_obj(GuestAddress(layout::PDE_START + 511 * 8)).unwrap();
+        assert_eq!(last, (511 << 21) | 0x83);
+        let gdt1: u64 = mem.read_obj(GuestAddress(layout::BOOT_GDT_START + 8)).unwrap();
+        assert_eq!(gdt1, gdt_entry(GDT_CODE64, 0, 0xfffff));
+    }
+}
