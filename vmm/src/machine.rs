@@ -135,12 +135,14 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
 
     let ram = memory::create(config.memory)?;
     register_memory(&vm, &ram.memory)?;
+    tracing::debug!(elapsed = ?started.elapsed(), "VM and guest RAM ready");
 
     let rsdp = acpi::write(&ram.memory, config.cpus)?;
     let expect = Expectations { cpus: config.cpus, memory_bytes: config.memory };
     let initrd = config.initrd.as_deref().map(|path| initrd::build(path, &expect)).transpose()?;
     let entry = boot::load(&ram.memory, config, initrd.as_deref(), rsdp)?;
     vcpu::write_boot_tables(&ram.memory, entry.mode)?;
+    tracing::debug!(elapsed = ?started.elapsed(), "kernel, initrd and firmware loaded");
 
     let signal = Arc::new(GuestExitSignal::new().map_err(host("create an eventfd"))?);
     let serial_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(host("create an eventfd"))?;
@@ -163,6 +165,7 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
         vcpus.push(fd);
     }
 
+    tracing::debug!(elapsed = ?started.elapsed(), "vCPUs configured");
     register_signal_handler(SIGRTMIN(), kick_handler).map_err(|e| VmmError::Host {
         what: "install the vCPU kick handler",
         source: std::io::Error::from_raw_os_error(e.errno()),

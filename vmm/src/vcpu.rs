@@ -149,6 +149,7 @@ pub fn cpuid_for(base: &CpuId, id: u32, cpus: u32) -> CpuId {
 pub fn configure(vcpu: &VcpuFd, id: u32, cpuid: &CpuId, boot: Option<BootEntry>) -> Result<(), VcpuError> {
     let setup = |what| move |source| VcpuError::Setup { id, what, source };
     vcpu.set_cpuid2(cpuid).map_err(setup("CPUID"))?;
+    set_xcr0(vcpu, id, cpuid)?;
     set_msrs(vcpu, id)?;
     let fpu = kvm_fpu { fcw: 0x37f, mxcsr: 0x1f80, ..Default::default() };
     vcpu.set_fpu(&fpu).map_err(setup("FPU"))?;
@@ -157,6 +158,32 @@ pub fn configure(vcpu: &VcpuFd, id: u32, cpuid: &CpuId, boot: Option<BootEntry>)
         set_boot_registers(vcpu, id, entry)?;
     }
     Ok(())
+}
+
+/// User-state XSAVE components (x87 through PKRU and AMX); supervisor bits are never in XCR0.
+const XCR0_USER_MASK: u64 = 0x0006_02ff;
+
+/// Starts the vCPU with every supported user XSAVE component enabled in XCR0, then sets
+/// CPUID again so that KVM sizes CPUID 0xD's save area for that XCR0.
+///
+/// Some KVM versions (seen with Debian 6.1.192 as L1) compute CPUID.(EAX=0xD,ECX=0).EBX once
+/// at KVM_SET_CPUID2 and do not refresh it when the guest's XSETBV enables more
+/// components; the guest then reads a 576-byte area and warns "XSAVE consistency problem".
+/// Linux writes XCR0 itself during boot, so this initial value changes nothing else.
+fn set_xcr0(vcpu: &VcpuFd, id: u32, cpuid: &CpuId) -> Result<(), VcpuError> {
+    let Some(leaf) = cpuid.as_slice().iter().find(|e| e.function == 0xd && e.index == 0) else {
+        return Ok(());
+    };
+    let xcr0 = (u64::from(leaf.edx) << 32 | u64::from(leaf.eax)) & XCR0_USER_MASK;
+    if xcr0 & 0x3 != 0x3 {
+        return Ok(());
+    }
+    let mut xcrs = vcpu.get_xcrs().map_err(|source| VcpuError::Setup { id, what: "XCRs", source })?;
+    xcrs.nr_xcrs = 1;
+    xcrs.xcrs[0].xcr = 0;
+    xcrs.xcrs[0].value = xcr0;
+    vcpu.set_xcrs(&xcrs).map_err(|source| VcpuError::Setup { id, what: "XCR0", source })?;
+    vcpu.set_cpuid2(cpuid).map_err(|source| VcpuError::Setup { id, what: "CPUID", source })
 }
 
 fn set_msrs(vcpu: &VcpuFd, id: u32) -> Result<(), VcpuError> {

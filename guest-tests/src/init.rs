@@ -1,0 +1,117 @@
+//! The agent as the guest's PID 1: set up the minimum of a system, load the image's
+//! modules, run the suites the kernel command line names (or a shell), report and power off.
+
+use std::path::Path;
+use std::process::Command;
+
+use gdrvm_model::DEBUG_EXIT_PORT;
+
+use crate::context::Context;
+use crate::{ktap, suites, sys};
+
+/// What the kernel command line asks of the agent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InitOptions {
+    /// Suites to run (`gdrvm.suites=a,b`); `smoke` when not given.
+    pub suites: Vec<String>,
+    /// Start a shell on the console instead of running suites (`gdrvm.shell`).
+    pub shell: bool,
+}
+
+impl InitOptions {
+    /// Parses `/proc/cmdline`.
+    pub fn from_cmdline(cmdline: &str) -> Self {
+        let mut opts = InitOptions { suites: vec!["smoke".into()], shell: false };
+        for word in cmdline.split_whitespace() {
+            if let Some(list) = word.strip_prefix("gdrvm.suites=") {
+                opts.suites = list.split(',').filter(|s| !s.is_empty()).map(str::to_owned).collect();
+            } else if word == "gdrvm.shell" || word == "gdrvm.shell=1" {
+                opts.shell = true;
+            }
+        }
+        opts
+    }
+}
+
+/// Runs PID 1's whole life. Never returns.
+pub fn run() -> ! {
+    for (source, target, fstype) in [("proc", "/proc", "proc"), ("sysfs", "/sys", "sysfs"), ("devtmpfs", "/dev", "devtmpfs")] {
+        if let Err(e) = sys::mount(source, target, fstype) {
+            println!("# gdrvm-agent: cannot mount {target}: {e}");
+        }
+    }
+    let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
+    let opts = InitOptions::from_cmdline(&cmdline);
+    let status = match Context::load(Path::new("/"), Ok(String::new()), Vec::new()) {
+        Ok(ctx) => {
+            let module_errors = load_modules(&ctx);
+            if opts.shell {
+                shell()
+            } else {
+                let kernel_log = sys::kernel_log().map_err(|e| e.to_string());
+                let ctx = Context { kernel_log, module_errors, ..ctx };
+                report(&opts.suites, &ctx)
+            }
+        }
+        Err(e) => {
+            println!("# gdrvm-agent: unreadable input: {e}");
+            println!("KTAP version 1\n1..0 # SKIP agent inputs unreadable");
+            1
+        }
+    };
+    finish(status)
+}
+
+/// Runs `suites`, prints KTAP, returns the exit status (0 all passed, 1 otherwise).
+pub fn report(names: &[String], ctx: &Context) -> u8 {
+    let reports: Vec<_> = names.iter().map(|n| suites::run(n, ctx)).collect();
+    print!("{}", ktap::render(&reports));
+    u8::from(!reports.iter().all(|r| r.passed()))
+}
+
+fn load_modules(ctx: &Context) -> Vec<String> {
+    let Some(image) = &ctx.image else { return Vec::new() };
+    image
+        .modules
+        .iter()
+        .filter_map(|m| sys::load_module(Path::new(m)).err().map(|e| format!("cannot load {m}: {e}")))
+        .collect()
+}
+
+fn shell() -> u8 {
+    println!("gdrvm-agent: shell on the console; 'poweroff -f' or exit to stop the VM");
+    match Command::new("/bin/sh").env("PATH", "/bin:/sbin:/usr/bin:/usr/sbin").env("HOME", "/").status() {
+        Ok(status) => u8::try_from(status.code().unwrap_or(1)).unwrap_or(1),
+        Err(e) => {
+            println!("gdrvm-agent: cannot start /bin/sh: {e}");
+            1
+        }
+    }
+}
+
+fn finish(status: u8) -> ! {
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    if let Err(e) = sys::write_port(DEBUG_EXIT_PORT, status) {
+        println!("# gdrvm-agent: cannot report status {status} on the debug-exit port: {e}");
+    }
+    let err = sys::power_off();
+    println!("# gdrvm-agent: power off failed: {err}");
+    loop {
+        std::thread::sleep(std::time::Duration::from_secs(3600));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_cmdline_options() {
+        let o = InitOptions::from_cmdline("console=ttyS0 quiet gdrvm.suites=smoke,topology panic=-1");
+        assert_eq!(o, InitOptions { suites: vec!["smoke".into(), "topology".into()], shell: false });
+        let o = InitOptions::from_cmdline("quiet gdrvm.shell");
+        assert!(o.shell);
+        assert_eq!(o.suites, vec!["smoke".to_string()]);
+    }
+}

@@ -1,0 +1,18 @@
+//! Test suites the agent runs, by name.
+
+mod smoke;
+
+use crate::context::Context;
+use crate::ktap::{Check, SuiteReport, Verdict};
+
+/// Names of every suite, in the order `all` runs them.
+pub const SUITES: &[&str] = &["smoke"];
+
+/// Runs the suite called `name`.
+pub fn run(name: &str, ctx: &Context) -> SuiteReport {
+    let checks = match name {
+        "smoke" => smoke::run(ctx),
+        other => vec![Check::new("suite_exists", Verdict::Fail(format!("no suite named '{other}' (known: {})", SUITES.join(", "))))],
+    };
+    SuiteReport { name: name.to_owned(), checks }
+}
