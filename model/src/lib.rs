@@ -32,6 +32,10 @@ pub struct ImageManifest {
     pub kernel_release: String,
     /// Kernel module files (paths inside the guest) in load order, dependencies first.
     pub modules: Vec<String>,
+    /// Modules to try after `modules`; failing to load one is not an error (e.g. kvm_intel
+    /// on an AMD host). Same order rule.
+    #[serde(default)]
+    pub optional_modules: Vec<String>,
 }
 
 impl Expectations {

@@ -163,6 +163,7 @@ mod tests {
                 name: "default".into(),
                 kernel_release: "6.1.0-57-amd64".into(),
                 modules: vec!["/lib/modules/virtio_net.ko".into()],
+                optional_modules: vec![],
             }),
             root: root.to_owned(),
             kernel_log: Ok(log.to_owned()),

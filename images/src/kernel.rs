@@ -1,0 +1,152 @@
+//! What an image takes from the kernel package: the vmlinux inside its bzImage (so boots
+//! skip decompression) and modules with their dependencies.
+
+use std::collections::{BTreeMap, HashSet};
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use object::{Object, ObjectSection};
+
+use crate::ImageError;
+
+const XZ_MAGIC: &[u8] = b"\xfd7zXZ\x00";
+/// boot_params offsets (Documentation/arch/x86/boot.rst).
+const SETUP_SECTS: usize = 0x1f1;
+const HEADER_MAGIC: usize = 0x202;
+const PAYLOAD_OFFSET: usize = 0x248;
+const PAYLOAD_LENGTH: usize = 0x24c;
+
+fn u32_at(data: &[u8], at: usize) -> Option<u32> {
+    Some(u32::from_le_bytes(data.get(at..at + 4)?.try_into().ok()?))
+}
+
+/// Extracts the ELF vmlinux from a bzImage whose payload is xz-compressed.
+pub fn extract_vmlinux(bzimage: &[u8], name: &Path) -> Result<Vec<u8>, ImageError> {
+    let bad = |reason: &str| ImageError::Kernel { path: name.to_owned(), reason: reason.to_owned() };
+    if bzimage.get(HEADER_MAGIC..HEADER_MAGIC + 4) != Some(b"HdrS") {
+        return Err(bad("not a bzImage (no HdrS header)"));
+    }
+    let setup_sects = match bzimage.get(SETUP_SECTS) {
+        Some(0) => 4,
+        Some(&n) => usize::from(n),
+        None => return Err(bad("truncated header")),
+    };
+    let offset = u32_at(bzimage, PAYLOAD_OFFSET).ok_or_else(|| bad("truncated header"))? as usize;
+    let length = u32_at(bzimage, PAYLOAD_LENGTH).ok_or_else(|| bad("truncated header"))? as usize;
+    let start = (setup_sects + 1) * 512 + offset;
+    let payload = bzimage.get(start..start + length).ok_or_else(|| bad("payload runs past the end of the file"))?;
+    if !payload.starts_with(XZ_MAGIC) {
+        return Err(bad("payload is not xz-compressed (only xz kernels are supported)"));
+    }
+    let mut vmlinux = Vec::with_capacity(length * 5);
+    // The payload is followed by the 4-byte uncompressed size; the xz stream ends before it.
+    xz2::read::XzDecoder::new(payload)
+        .read_to_end(&mut vmlinux)
+        .map_err(|e| bad(&format!("xz payload does not decompress: {e}")))?;
+    if !vmlinux.starts_with(b"\x7fELF") {
+        return Err(bad("decompressed payload is not an ELF vmlinux"));
+    }
+    Ok(vmlinux)
+}
+
+/// The modules of one kernel tree, by name (`-` folded to `_`, as the kernel does).
+pub struct ModuleIndex {
+    root: PathBuf,
+    paths: BTreeMap<String, PathBuf>,
+    builtin: HashSet<String>,
+}
+
+/// A module and where it is, in load order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResolvedModule {
+    /// Module name.
+    pub name: String,
+    /// Its .ko in the unpacked package.
+    pub path: PathBuf,
+}
+
+fn module_name(file: &Path) -> Option<String> {
+    let name = file.file_name()?.to_str()?.strip_suffix(".ko")?;
+    Some(name.replace('-', "_"))
+}
+
+impl ModuleIndex {
+    /// Indexes `lib/modules/<release>` of an unpacked kernel package.
+    pub fn new(modules_dir: &Path) -> Result<ModuleIndex, ImageError> {
+        let mut paths = BTreeMap::new();
+        let mut stack = vec![modules_dir.join("kernel")];
+        while let Some(dir) = stack.pop() {
+            let entries = std::fs::read_dir(&dir).map_err(|e| ImageError::Io { path: dir.clone(), source: e })?;
+            for entry in entries.filter_map(Result::ok) {
+                let path = entry.path();
+                if path.is_dir() {
+                    stack.push(path);
+                } else if let Some(name) = module_name(&path) {
+                    paths.insert(name, path);
+                }
+            }
+        }
+        let builtin = std::fs::read_to_string(modules_dir.join("modules.builtin"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| module_name(Path::new(l)))
+            .collect();
+        Ok(ModuleIndex { root: modules_dir.to_owned(), paths, builtin })
+    }
+
+    /// `names` and everything they depend on (from each .ko's `.modinfo` `depends=`),
+    /// dependencies first, each once. Built-in modules are left out: nothing to load.
+    pub fn resolve(&self, names: &[String]) -> Result<Vec<ResolvedModule>, ImageError> {
+        let mut order = Vec::new();
+        let mut seen = HashSet::new();
+        for name in names {
+            self.visit(&name.replace('-', "_"), &mut seen, &mut order, &mut Vec::new())?;
+        }
+        Ok(order)
+    }
+
+    fn visit(
+        &self,
+        name: &str,
+        seen: &mut HashSet<String>,
+        order: &mut Vec<ResolvedModule>,
+        chain: &mut Vec<String>,
+    ) -> Result<(), ImageError> {
+        if seen.contains(name) || self.builtin.contains(name) {
+            return Ok(());
+        }
+        let path = self.paths.get(name).ok_or_else(|| ImageError::Module {
+            module: name.to_owned(),
+            reason: format!(
+                "no {name}.ko under {}{}",
+                self.root.display(),
+                chain.last().map(|p| format!(" (needed by {p})")).unwrap_or_default()
+            ),
+        })?;
+        if chain.iter().any(|c| c == name) {
+            return Err(ImageError::Module { module: name.to_owned(), reason: format!("dependency cycle: {}", chain.join(" -> ")) });
+        }
+        chain.push(name.to_owned());
+        for dep in depends(path)? {
+            self.visit(&dep, seen, order, chain)?;
+        }
+        chain.pop();
+        seen.insert(name.to_owned());
+        order.push(ResolvedModule { name: name.to_owned(), path: path.clone() });
+        Ok(())
+    }
+}
+
+/// The `depends=` list in a module's `.modinfo` section.
+pub fn depends(ko: &Path) -> Result<Vec<String>, ImageError> {
+    let bad = |reason: String| ImageError::Module { module: ko.display().to_string(), reason };
+    let data = std::fs::read(ko).map_err(|e| ImageError::Io { path: ko.to_owned(), source: e })?;
+    let file = object::File::parse(&*data).map_err(|e| bad(format!("not an ELF module: {e}")))?;
+    let section = file.section_by_name(".modinfo").ok_or_else(|| bad("no .modinfo section".into()))?;
+    let info = section.data().map_err(|e| bad(e.to_string()))?;
+    Ok(info
+        .split(|b| *b == 0)
+        .filter_map(|kv| kv.strip_prefix(b"depends="))
+        .flat_map(|list| String::from_utf8_lossy(list).split(',').filter(|s| !s.is_empty()).map(str::to_owned).collect::<Vec<_>>())
+        .collect())
+}

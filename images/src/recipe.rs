@@ -1,0 +1,118 @@
+//! Image recipes: TOML files naming pinned Debian packages and the modules to load.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::ImageError;
+
+/// A pinned Debian package.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Package {
+    /// Package name.
+    pub package: String,
+    /// Exact version (with epoch, as `apt-cache policy` prints it).
+    pub version: String,
+    /// sha256 of the .deb.
+    pub sha256: String,
+}
+
+/// The kernel package and the release it installs.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KernelPackage {
+    /// The package.
+    #[serde(flatten)]
+    pub pin: Package,
+    /// `uname -r` of the kernel (the directory under /lib/modules).
+    pub release: String,
+}
+
+/// Modules to put in the image.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Modules {
+    /// Must load at boot.
+    #[serde(default)]
+    pub load: Vec<String>,
+    /// Loaded if they can be (hardware-specific).
+    #[serde(default, rename = "try")]
+    pub try_load: Vec<String>,
+}
+
+/// A whole recipe.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Recipe {
+    /// Image name (the output directory's name).
+    pub name: String,
+    /// One line saying what the image is for.
+    pub description: String,
+    /// The kernel.
+    pub kernel: KernelPackage,
+    /// busybox-static, for the shell and the L1 userland.
+    pub busybox: Package,
+    /// Kernel modules.
+    #[serde(default)]
+    pub modules: Modules,
+    /// Where the recipe was read from.
+    #[serde(skip)]
+    pub path: PathBuf,
+    /// The recipe's text (part of the image's cache key).
+    #[serde(skip)]
+    pub text: String,
+}
+
+impl Recipe {
+    /// Reads and checks a recipe file; errors name the file, the key and the reason.
+    pub fn load(path: &Path) -> Result<Recipe, ImageError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ImageError::Recipe { path: path.to_owned(), reason: e.to_string() })?;
+        Recipe::parse(path, &text)
+    }
+
+    /// Parses recipe text read from `path`.
+    pub fn parse(path: &Path, text: &str) -> Result<Recipe, ImageError> {
+        let bad = |reason: String| ImageError::Recipe { path: path.to_owned(), reason };
+        let mut recipe: Recipe = toml::from_str(text).map_err(|e| bad(e.to_string().trim().replace('\n', " ")))?;
+        recipe.path = path.to_owned();
+        recipe.text = text.to_owned();
+        for (key, pin) in [("kernel", &recipe.kernel.pin), ("busybox", &recipe.busybox)] {
+            if pin.sha256.len() != 64 || !pin.sha256.chars().all(|c| c.is_ascii_hexdigit()) {
+                return Err(bad(format!("key {key}.sha256: expected 64 hex digits, got '{}'", pin.sha256)));
+            }
+        }
+        if recipe.name.is_empty() || recipe.name.contains('/') {
+            return Err(bad(format!("key name: '{}' is not a usable directory name", recipe.name)));
+        }
+        Ok(recipe)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_shipped_recipes_parse() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("recipes");
+        let r = Recipe::load(&dir.join("default.toml")).unwrap();
+        assert_eq!(r.kernel.release, "6.1.0-57-amd64");
+        assert!(r.modules.load.contains(&"virtio_net".to_string()));
+        let l1 = Recipe::load(&dir.join("l1.toml")).unwrap();
+        assert_eq!(l1.modules.try_load, vec!["kvm_amd", "kvm_intel"]);
+    }
+
+    #[test]
+    fn test_errors_name_file_key_reason() {
+        let p = Path::new("images/recipes/bad.toml");
+        let base = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("recipes/default.toml")).unwrap();
+        let e = Recipe::parse(p, &base.replace("sha256 = \"14d2", "sha256 = \"zz")).unwrap_err().to_string();
+        assert!(e.contains("bad.toml") && e.contains("kernel.sha256"), "{e}");
+        let e = Recipe::parse(p, &base.replace("release = ", "relase = ")).unwrap_err().to_string();
+        assert!(e.contains("bad.toml") && e.contains("[kernel]") && e.contains("`release`"), "{e}");
+        let e = Recipe::parse(p, "name = ").unwrap_err().to_string();
+        assert!(e.contains("bad.toml"), "{e}");
+    }
+}
