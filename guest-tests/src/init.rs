@@ -16,17 +16,21 @@ pub struct InitOptions {
     pub suites: Vec<String>,
     /// Start a shell on the console instead of running suites (`gdrvm.shell`).
     pub shell: bool,
+    /// Act as L1 of a nested run: run gdrvm jobs instead of suites (`gdrvm.l1`).
+    pub l1: bool,
 }
 
 impl InitOptions {
     /// Parses `/proc/cmdline`.
     pub fn from_cmdline(cmdline: &str) -> Self {
-        let mut opts = InitOptions { suites: vec!["smoke".into()], shell: false };
+        let mut opts = InitOptions { suites: vec!["smoke".into()], shell: false, l1: false };
         for word in cmdline.split_whitespace() {
             if let Some(list) = word.strip_prefix("gdrvm.suites=") {
                 opts.suites = list.split(',').filter(|s| !s.is_empty()).map(str::to_owned).collect();
             } else if word == "gdrvm.shell" || word == "gdrvm.shell=1" {
                 opts.shell = true;
+            } else if word == "gdrvm.l1" {
+                opts.l1 = true;
             }
         }
         opts
@@ -45,7 +49,9 @@ pub fn run() -> ! {
     let status = match Context::load(Path::new("/"), Ok(String::new()), Vec::new()) {
         Ok(ctx) => {
             let module_errors = load_modules(&ctx);
-            if opts.shell {
+            if opts.l1 {
+                crate::l1::run()
+            } else if opts.shell {
                 shell()
             } else {
                 let kernel_log = sys::kernel_log().map_err(|e| e.to_string());
@@ -69,13 +75,16 @@ pub fn report(names: &[String], ctx: &Context) -> u8 {
     u8::from(!reports.iter().all(|r| r.passed()))
 }
 
+/// Loads the image's modules; returns the errors of required ones. Optional modules that
+/// fail (hardware-specific ones on other hardware) are only logged.
 fn load_modules(ctx: &Context) -> Vec<String> {
     let Some(image) = &ctx.image else { return Vec::new() };
-    image
-        .modules
-        .iter()
-        .filter_map(|m| sys::load_module(Path::new(m)).err().map(|e| format!("cannot load {m}: {e}")))
-        .collect()
+    let load = |m: &String| sys::load_module(Path::new(m)).err().map(|e| format!("cannot load {m}: {e}"));
+    let errors = image.modules.iter().filter_map(load).collect();
+    for e in image.optional_modules.iter().filter_map(load) {
+        println!("# gdrvm-agent: {e} (optional)");
+    }
+    errors
 }
 
 fn shell() -> u8 {
@@ -109,7 +118,8 @@ mod tests {
     #[test]
     fn test_cmdline_options() {
         let o = InitOptions::from_cmdline("console=ttyS0 quiet gdrvm.suites=smoke,topology panic=-1");
-        assert_eq!(o, InitOptions { suites: vec!["smoke".into(), "topology".into()], shell: false });
+        assert_eq!(o, InitOptions { suites: vec!["smoke".into(), "topology".into()], shell: false, l1: false });
+        assert!(InitOptions::from_cmdline("console=ttyS0 gdrvm.l1").l1);
         let o = InitOptions::from_cmdline("quiet gdrvm.shell");
         assert!(o.shell);
         assert_eq!(o.suites, vec!["smoke".to_string()]);

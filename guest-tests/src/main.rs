@@ -6,6 +6,7 @@
 mod context;
 mod init;
 mod ktap;
+mod l1;
 mod suites;
 mod sys;
 

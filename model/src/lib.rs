@@ -4,6 +4,8 @@
 //! [`ImageManifest`]. The agent reads both and compares them with what Linux reports, so
 //! the agent never links the VMM (dependency arrows: agent ← model → vmm).
 
+pub mod l1;
+
 use serde::{Deserialize, Serialize};
 
 /// Path, inside the guest, of the expectations the VMM appends to the initramfs.

@@ -1,0 +1,102 @@
+//! The agent's L1 role in nested runs: on a host whose KVM cannot boot a stock kernel, the
+//! harness boots L1 under QEMU TCG with this agent as init. It runs the host's gdrvm jobs
+//! on L1's `/dev/kvm` and relays each job's output and exit status as marker lines.
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use gdrvm_model::l1::{job_output_prefix, L1Job, L1Jobs, GDRVM_PATH, JOBS_PATH, MARKER};
+
+/// Exit status of L1 when it could not run its jobs.
+const CANNOT_TEST: u8 = 125;
+
+/// Runs every job; returns 0 when they all ran (whatever their own status), 125 otherwise.
+pub fn run() -> u8 {
+    if !Path::new("/dev/kvm").exists() {
+        println!("{MARKER}error no /dev/kvm in L1: no KVM module loaded (does the CPU model offer SVM or VMX?)");
+        return CANNOT_TEST;
+    }
+    let jobs: L1Jobs = match std::fs::read(JOBS_PATH).map_err(|e| e.to_string()).and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string())) {
+        Ok(jobs) => jobs,
+        Err(e) => {
+            println!("{MARKER}error cannot read {JOBS_PATH}: {e}");
+            return CANNOT_TEST;
+        }
+    };
+    println!("{MARKER}ready");
+    for (i, job) in jobs.jobs.iter().enumerate() {
+        println!("{MARKER}job {i} start");
+        let started = Instant::now();
+        let result = if jobs.interactive { run_attached(job) } else { run_relayed(i, job) };
+        match result {
+            Ok(Some(code)) => println!("{MARKER}job {i} exit {code} {}", started.elapsed().as_millis()),
+            Ok(None) => println!("{MARKER}job {i} timeout"),
+            Err(e) => {
+                println!("{MARKER}error job {i}: cannot start {GDRVM_PATH}: {e}");
+                return CANNOT_TEST;
+            }
+        }
+    }
+    println!("{MARKER}done");
+    0
+}
+
+fn command(job: &L1Job) -> Command {
+    let mut cmd = Command::new(GDRVM_PATH);
+    cmd.arg("run").args(&job.args);
+    cmd
+}
+
+/// Exit code of a finished child; a signal counts as 128 + its number.
+fn code(status: std::process::ExitStatus) -> i32 {
+    use std::os::unix::process::ExitStatusExt;
+    status.code().unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
+}
+
+fn run_attached(job: &L1Job) -> std::io::Result<Option<i32>> {
+    let status = command(job).arg("--interactive").status()?;
+    Ok(Some(code(status)))
+}
+
+fn relay(job: usize, stream: impl Read + Send + 'static) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let prefix = job_output_prefix(job);
+        for line in BufReader::new(stream).split(b'\n').map_while(Result::ok) {
+            println!("{prefix}{}", String::from_utf8_lossy(&line).trim_end_matches('\r'));
+        }
+    })
+}
+
+fn run_relayed(i: usize, job: &L1Job) -> std::io::Result<Option<i32>> {
+    let mut child = command(job).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
+    let relays: Vec<_> = [child.stdout.take().map(|s| relay(i, s)), child.stderr.take().map(|s| relay(i, s))]
+        .into_iter()
+        .flatten()
+        .collect();
+    let result = wait_with_deadline(&mut child, Duration::from_secs(job.timeout_secs));
+    for r in relays {
+        let _ = r.join();
+    }
+    result
+}
+
+fn wait_with_deadline(child: &mut Child, timeout: Duration) -> std::io::Result<Option<i32>> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(status) = child.try_wait()? {
+            return Ok(Some(code(status)));
+        }
+        if Instant::now() >= deadline {
+            // SIGTERM first: gdrvm stops its VM cleanly; SIGKILL if it does not.
+            // SAFETY: signals a child we own and have not reaped.
+            unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+            std::thread::sleep(Duration::from_secs(2));
+            let _ = child.kill();
+            let _ = child.wait();
+            return Ok(None);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

@@ -1,0 +1,464 @@
+//! Running VMs: natively (gdrvm on this host's KVM) or nested (gdrvm inside an L1 Linux that
+//! QEMU TCG boots, on L1's KVM). Both stream the guest console, enforce timeouts and turn
+//! what happened into a [`VmResult`] with `git bisect run` exit codes.
+
+use std::collections::BTreeMap;
+use std::io::Cursor;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use gdrvm_model::l1::{L1Job, L1Jobs, GDRVM_PATH, JOBS_PATH};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+use crate::artifacts::{Artifacts, BootImage};
+use crate::ktap::{self, KtapReport};
+use crate::l1::{classify, L1Line};
+
+/// Exit codes shared by every host command (`git bisect run` convention).
+pub mod exit {
+    /// Every test passed.
+    pub const PASS: i32 = 0;
+    /// A test failed, the guest panicked or hung.
+    pub const FAIL: i32 = 1;
+    /// Nothing could be tested (no image, no usable KVM, L1 failed).
+    pub const CANNOT_TEST: i32 = 125;
+}
+
+/// The kernel's message when it panics.
+const PANIC_MARKER: &str = "Kernel panic - not syncing";
+/// Console lines kept for a panic or hang report.
+pub const TAIL_LINES: usize = 40;
+
+/// Errors that keep a run from producing results at all.
+#[derive(Debug, thiserror::Error)]
+pub enum HarnessError {
+    /// A program the run needs is missing.
+    #[error("cannot start {program}: {reason}")]
+    Spawn {
+        /// The program.
+        program: String,
+        /// Why.
+        reason: String,
+    },
+    /// Preparing a nested run failed.
+    #[error("cannot prepare the nested run: {0}")]
+    Prepare(String),
+}
+
+/// How VMs are run on this host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum RunnerKind {
+    /// gdrvm on this host's `/dev/kvm`.
+    Native,
+    /// gdrvm inside L1 (QEMU TCG, `-cpu max`, kvm_amd), on L1's `/dev/kvm`.
+    Nested,
+}
+
+/// One VM to run.
+#[derive(Debug, Clone)]
+pub struct VmSpec {
+    /// Name for reports.
+    pub name: String,
+    /// What to boot.
+    pub image: BootImage,
+    /// Kernel command line.
+    pub cmdline: String,
+    /// vCPUs.
+    pub cpus: u32,
+    /// Guest RAM, as gdrvm takes it (`1G`).
+    pub memory: String,
+    /// Longest the guest may run.
+    pub timeout: Duration,
+}
+
+impl VmSpec {
+    fn gdrvm_args(&self, kernel: &Path, initrd: &Path) -> Vec<String> {
+        vec![
+            "--kernel".into(),
+            kernel.display().to_string(),
+            "--initrd".into(),
+            initrd.display().to_string(),
+            "--cmdline".into(),
+            self.cmdline.clone(),
+            "--cpus".into(),
+            self.cpus.to_string(),
+            "--memory".into(),
+            self.memory.clone(),
+        ]
+    }
+
+    fn memory_mib(&self) -> u64 {
+        gdrvm_size_mib(&self.memory).unwrap_or(1024)
+    }
+}
+
+fn gdrvm_size_mib(s: &str) -> Option<u64> {
+    let s = s.trim();
+    let (n, mult) = match s.chars().last()? {
+        'G' | 'g' => (&s[..s.len() - 1], 1024),
+        'M' | 'm' => (&s[..s.len() - 1], 1),
+        _ => (s, 0),
+    };
+    Some(n.parse::<u64>().ok()? * mult)
+}
+
+/// How a VM ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VmOutcome {
+    /// gdrvm exited with this status (the guest's, or gdrvm's own 125).
+    Exited(i32),
+    /// The guest ran past its timeout.
+    TimedOut,
+    /// The guest kernel panicked.
+    Panicked,
+    /// The VM could not be run.
+    CannotRun(String),
+}
+
+/// What one VM produced.
+#[derive(Debug, Clone)]
+pub struct VmResult {
+    /// The spec's name.
+    pub name: String,
+    /// How it ended.
+    pub outcome: VmOutcome,
+    /// Console and gdrvm log lines, in order.
+    pub console: Vec<String>,
+    /// KTAP parsed from the console.
+    pub ktap: KtapReport,
+    /// Wall time of the VM.
+    pub elapsed: Duration,
+}
+
+impl VmResult {
+    fn new(name: &str, outcome: VmOutcome, console: Vec<String>, elapsed: Duration) -> Self {
+        let text = console.join("\n");
+        let outcome = if text.contains(PANIC_MARKER) { VmOutcome::Panicked } else { outcome };
+        VmResult { name: name.to_owned(), outcome, ktap: ktap::parse(&text), console, elapsed }
+    }
+
+    /// `git bisect run` status: 0 all passed, 1 failed/panicked/hung, 125 could not test.
+    pub fn exit_code(&self) -> i32 {
+        match &self.outcome {
+            VmOutcome::Exited(0) if self.ktap.all_ok() => exit::PASS,
+            VmOutcome::Exited(exit::CANNOT_TEST) | VmOutcome::CannotRun(_) => exit::CANNOT_TEST,
+            _ => exit::FAIL,
+        }
+    }
+
+    /// A sentence for what went wrong at the VM level, if anything did.
+    pub fn problem(&self) -> Option<String> {
+        match &self.outcome {
+            VmOutcome::Exited(0) if self.ktap.complete() => None,
+            VmOutcome::Exited(0) => Some("the guest exited without a complete KTAP report".into()),
+            VmOutcome::Exited(1) if self.ktap.complete() => None,
+            VmOutcome::Exited(code) => Some(format!("gdrvm exited with status {code}{}", self.last_error())),
+            VmOutcome::TimedOut => Some(format!("the guest hung: no exit within {:.0?}", self.elapsed)),
+            VmOutcome::Panicked => Some("the guest kernel panicked".into()),
+            VmOutcome::CannotRun(why) => Some(format!("could not run: {why}")),
+        }
+    }
+
+    fn last_error(&self) -> String {
+        self.console.iter().rev().find(|l| l.starts_with("gdrvm: error:")).map(|l| format!(" ({l})")).unwrap_or_default()
+    }
+
+    /// The last [`TAIL_LINES`] console lines.
+    pub fn tail(&self) -> &[String] {
+        &self.console[self.console.len().saturating_sub(TAIL_LINES)..]
+    }
+}
+
+/// Runs VMs one way or the other.
+pub struct Runner {
+    /// Native or nested.
+    pub kind: RunnerKind,
+    /// What to run with.
+    pub artifacts: Artifacts,
+    /// Print console lines as they arrive.
+    pub echo: bool,
+}
+
+/// Time L1 may take to boot and load KVM (measured: 6–8 s; TCG on a loaded host is slower).
+const L1_BOOT_BUDGET: Duration = Duration::from_secs(120);
+
+impl Runner {
+    /// Runs `specs` one after another (nested: in one L1 boot) and returns their results.
+    pub async fn run(&self, specs: &[VmSpec]) -> Result<Vec<VmResult>, HarnessError> {
+        match self.kind {
+            RunnerKind::Native => {
+                let mut results = Vec::new();
+                for spec in specs {
+                    results.push(self.run_native(spec).await?);
+                }
+                Ok(results)
+            }
+            RunnerKind::Nested => self.run_nested(specs).await,
+        }
+    }
+
+    /// Runs one VM with this terminal attached to its console; returns gdrvm's status.
+    pub async fn run_interactive(&self, spec: &VmSpec) -> Result<i32, HarnessError> {
+        let status = match self.kind {
+            RunnerKind::Native => {
+                let mut cmd = Command::new(&self.artifacts.gdrvm);
+                cmd.arg("run").args(spec.gdrvm_args(&spec.image.kernel, &spec.image.initrd)).arg("--interactive");
+                spawn(&mut cmd, &self.artifacts.gdrvm)?.wait().await
+            }
+            RunnerKind::Nested => {
+                let dir = tempfile::tempdir().map_err(|e| HarnessError::Prepare(e.to_string()))?;
+                let (initrd, mem) = self.prepare_l1(dir.path(), std::slice::from_ref(spec), true)?;
+                let mut cmd = self.qemu(&initrd, mem, true);
+                spawn(&mut cmd, Path::new("qemu-system-x86_64"))?.wait().await
+            }
+        };
+        Ok(status.map(|s| s.code().unwrap_or(exit::FAIL)).unwrap_or(exit::CANNOT_TEST))
+    }
+
+    async fn run_native(&self, spec: &VmSpec) -> Result<VmResult, HarnessError> {
+        let started = Instant::now();
+        let mut cmd = Command::new(&self.artifacts.gdrvm);
+        cmd.arg("run")
+            .args(spec.gdrvm_args(&spec.image.kernel, &spec.image.initrd))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = spawn(&mut cmd, &self.artifacts.gdrvm)?;
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+        forward_lines(child.stdout.take(), tx.clone());
+        forward_lines(child.stderr.take(), tx);
+        let mut console = Vec::new();
+        let deadline = tokio::time::sleep(spec.timeout);
+        tokio::pin!(deadline);
+        let outcome = loop {
+            tokio::select! {
+                line = rx.recv() => match line {
+                    Some(line) => self.take_line(&mut console, line),
+                    None => break exited(&mut child).await,
+                },
+                _ = &mut deadline => {
+                    stop(&mut child).await;
+                    break VmOutcome::TimedOut;
+                }
+            }
+        };
+        Ok(VmResult::new(&spec.name, outcome, console, started.elapsed()))
+    }
+
+    fn take_line(&self, console: &mut Vec<String>, line: String) {
+        if self.echo {
+            println!("{line}");
+        }
+        console.push(line);
+    }
+
+    /// Writes L1's initramfs for this run: the L1 image, then an archive with gdrvm, the
+    /// guests' files and the job list. Returns it and the L1 memory size in MiB.
+    fn prepare_l1(&self, dir: &Path, specs: &[VmSpec], interactive: bool) -> Result<(PathBuf, u64), HarnessError> {
+        let prep = |e: std::io::Error| HarnessError::Prepare(e.to_string());
+        let mut files: BTreeMap<PathBuf, String> = BTreeMap::new();
+        let mut guest_path = |host: &Path| -> String {
+            let n = files.len();
+            files.entry(host.to_owned()).or_insert_with(|| format!("/l1/files/{n}")).clone()
+        };
+        let jobs = L1Jobs {
+            interactive,
+            jobs: specs
+                .iter()
+                .map(|s| {
+                    let (k, i) = (guest_path(&s.image.kernel), guest_path(&s.image.initrd));
+                    L1Job { args: s.gdrvm_args(Path::new(&k), Path::new(&i)), timeout_secs: s.timeout.as_secs().max(1) }
+                })
+                .collect(),
+        };
+        let mut entries = vec![(
+            cpio::newc::Builder::new(JOBS_PATH.trim_start_matches('/')).mode(0o100644),
+            Cursor::new(serde_json::to_vec(&jobs).map_err(|e| HarnessError::Prepare(e.to_string()))?),
+        )];
+        let read = |p: &Path| std::fs::read(p).map_err(|e| HarnessError::Prepare(format!("{}: {e}", p.display())));
+        entries.push((cpio::newc::Builder::new(GDRVM_PATH.trim_start_matches('/')).mode(0o100755), Cursor::new(read(&self.artifacts.gdrvm)?)));
+        for (host, guest) in &files {
+            entries.push((cpio::newc::Builder::new(guest.trim_start_matches('/')).mode(0o100644), Cursor::new(read(host)?)));
+        }
+        let dirs = ["l1", "l1/files"].map(|d| (cpio::newc::Builder::new(d).mode(0o040755), Cursor::new(Vec::new())));
+        let mut data = read(&self.artifacts.l1.initrd)?;
+        data.resize(data.len().next_multiple_of(4), 0);
+        let data = cpio::write_cpio(dirs.into_iter().chain(entries), data).map_err(prep)?;
+        let path = dir.join("l1-run.cpio");
+        std::fs::write(&path, &data).map_err(prep)?;
+        // L1 keeps the unpacked initramfs in RAM next to the largest guest.
+        let guest = specs.iter().map(VmSpec::memory_mib).max().unwrap_or(1024);
+        let memory = (guest + 1024 + 2 * (data.len() as u64 >> 20)).max(2048);
+        Ok((path, memory))
+    }
+
+    fn qemu(&self, initrd: &Path, memory_mib: u64, interactive: bool) -> Command {
+        let mut cmd = Command::new("qemu-system-x86_64");
+        cmd.args(["-accel", "tcg,thread=multi", "-cpu", "max", "-smp", "2", "-m"])
+            .arg(format!("{memory_mib}M"))
+            .args(["-nodefaults", "-display", "none", "-vga", "none", "-no-reboot"])
+            .arg("-kernel")
+            .arg(&self.artifacts.l1.kernel)
+            .arg("-initrd")
+            .arg(initrd)
+            .args(["-append", "console=ttyS0 quiet panic=-1 gdrvm.l1"]);
+        if interactive {
+            // Ctrl-C goes to the guest; Ctrl-A x (handled by gdrvm in L1) leaves.
+            cmd.args(["-chardev", "stdio,id=con,signal=off", "-serial", "chardev:con"]);
+        } else {
+            cmd.args(["-serial", "stdio"]).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        }
+        cmd.kill_on_drop(true);
+        cmd
+    }
+
+    async fn run_nested(&self, specs: &[VmSpec]) -> Result<Vec<VmResult>, HarnessError> {
+        let dir = tempfile::tempdir().map_err(|e| HarnessError::Prepare(e.to_string()))?;
+        let (initrd, memory) = self.prepare_l1(dir.path(), specs, false)?;
+        let mut qemu = spawn(&mut self.qemu(&initrd, memory, false), Path::new("qemu-system-x86_64"))?;
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+        forward_lines(qemu.stdout.take(), tx.clone());
+        forward_lines(qemu.stderr.take(), tx);
+
+        let budget = L1_BOOT_BUDGET + specs.iter().map(|s| s.timeout).sum::<Duration>() + Duration::from_secs(30);
+        let deadline = tokio::time::sleep(budget);
+        tokio::pin!(deadline);
+        let mut consoles: Vec<Vec<String>> = vec![Vec::new(); specs.len()];
+        let mut outcomes: Vec<Option<(VmOutcome, Duration)>> = vec![None; specs.len()];
+        let mut l1_lines: Vec<String> = Vec::new();
+        let mut l1_error: Option<String> = None;
+        let started = Instant::now();
+        loop {
+            tokio::select! {
+                line = rx.recv() => {
+                    let Some(line) = line else { break };
+                    match classify(&line) {
+                        L1Line::JobOutput(i, text) if i < specs.len() => self.take_line(&mut consoles[i], text.to_owned()),
+                        L1Line::JobExit { job, code, millis } if job < specs.len() => {
+                            outcomes[job] = Some((VmOutcome::Exited(code), Duration::from_millis(millis)));
+                        }
+                        L1Line::JobTimeout(job) if job < specs.len() => {
+                            outcomes[job] = Some((VmOutcome::TimedOut, specs[job].timeout));
+                        }
+                        L1Line::Error(e) => l1_error = Some(e.to_owned()),
+                        L1Line::Ready => tracing::info!(after = ?started.elapsed(), "L1 ready"),
+                        L1Line::Done => {}
+                        _ => {
+                            if self.echo && !line.trim().is_empty() {
+                                println!("[L1] {line}");
+                            }
+                            l1_lines.push(line);
+                        }
+                    }
+                }
+                _ = &mut deadline => {
+                    l1_error.get_or_insert_with(|| format!("L1 did not finish within {budget:?}"));
+                    break;
+                }
+            }
+        }
+        stop(&mut qemu).await;
+        let l1_tail = l1_lines[l1_lines.len().saturating_sub(TAIL_LINES)..].join("\n");
+        Ok(specs
+            .iter()
+            .zip(consoles)
+            .zip(outcomes)
+            .map(|((spec, console), outcome)| {
+                let (outcome, elapsed) = outcome.unwrap_or_else(|| {
+                    let why = l1_error.clone().unwrap_or_else(|| "L1 stopped before the job finished".into());
+                    (VmOutcome::CannotRun(format!("{why}; last L1 console lines:\n{l1_tail}")), started.elapsed())
+                });
+                VmResult::new(&spec.name, outcome, console, elapsed)
+            })
+            .collect())
+    }
+}
+
+fn spawn(cmd: &mut Command, program: &Path) -> Result<Child, HarnessError> {
+    cmd.kill_on_drop(true).spawn().map_err(|e| HarnessError::Spawn {
+        program: program.display().to_string(),
+        reason: if program.ends_with("qemu-system-x86_64") && e.kind() == std::io::ErrorKind::NotFound {
+            "not installed (Debian: apt-get install qemu-system-x86)".into()
+        } else {
+            e.to_string()
+        },
+    })
+}
+
+fn forward_lines<R: tokio::io::AsyncRead + Unpin + Send + 'static>(
+    stream: Option<R>,
+    tx: tokio::sync::mpsc::UnboundedSender<String>,
+) {
+    if let Some(stream) = stream {
+        tokio::spawn(async move {
+            let mut lines = BufReader::new(stream).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                if tx.send(line.trim_end_matches('\r').to_owned()).is_err() {
+                    break;
+                }
+            }
+        });
+    }
+}
+
+async fn exited(child: &mut Child) -> VmOutcome {
+    match child.wait().await {
+        Ok(status) => VmOutcome::Exited(status.code().unwrap_or(exit::FAIL)),
+        Err(e) => VmOutcome::CannotRun(format!("lost the gdrvm process: {e}")),
+    }
+}
+
+/// SIGTERM (gdrvm and QEMU stop cleanly on it), then SIGKILL after two seconds.
+async fn stop(child: &mut Child) {
+    if let Some(pid) = child.id() {
+        // SAFETY: signals a child we own and have not reaped.
+        unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+        if tokio::time::timeout(Duration::from_secs(2), child.wait()).await.is_ok() {
+            return;
+        }
+    }
+    let _ = child.kill().await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn result(outcome: VmOutcome, console: &str) -> VmResult {
+        VmResult::new("t", outcome, console.lines().map(str::to_owned).collect(), Duration::from_secs(1))
+    }
+
+    const PASSING: &str = "KTAP version 1\n1..1\n    1..1\n    ok 1 a\nok 1 smoke";
+
+    #[test]
+    fn test_exit_codes_follow_bisect() {
+        assert_eq!(result(VmOutcome::Exited(0), PASSING).exit_code(), exit::PASS);
+        assert_eq!(result(VmOutcome::Exited(0), "KTAP version 1\n1..1\n").exit_code(), exit::FAIL);
+        assert_eq!(result(VmOutcome::Exited(1), PASSING).exit_code(), exit::FAIL);
+        assert_eq!(result(VmOutcome::TimedOut, "").exit_code(), exit::FAIL);
+        assert_eq!(result(VmOutcome::Exited(125), "gdrvm: error: KVM: cannot open /dev/kvm").exit_code(), exit::CANNOT_TEST);
+        assert_eq!(result(VmOutcome::CannotRun("no L1".into()), "").exit_code(), exit::CANNOT_TEST);
+    }
+
+    #[test]
+    fn test_panic_detected_and_tail_kept() {
+        let mut console: Vec<String> = (0..100).map(|i| format!("line {i}")).collect();
+        console.push("[    1.2] Kernel panic - not syncing: VFS: Unable to mount root fs".into());
+        let r = VmResult::new("t", VmOutcome::Exited(1), console, Duration::ZERO);
+        assert_eq!(r.outcome, VmOutcome::Panicked);
+        assert_eq!(r.exit_code(), exit::FAIL);
+        assert_eq!(r.tail().len(), TAIL_LINES);
+        assert!(r.tail().last().unwrap().contains("Kernel panic"));
+        let err = result(VmOutcome::Exited(125), "gdrvm: error: kernel 'x' cannot be read: No such file");
+        assert!(err.problem().unwrap().contains("cannot be read"));
+    }
+
+    #[test]
+    fn test_sizes() {
+        assert_eq!(gdrvm_size_mib("1G"), Some(1024));
+        assert_eq!(gdrvm_size_mib("512M"), Some(512));
+        assert_eq!(gdrvm_size_mib("x"), None);
+    }
+}
