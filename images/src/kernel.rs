@@ -2,7 +2,6 @@
 //! skip decompression) and modules with their dependencies.
 
 use std::collections::{BTreeMap, HashSet};
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use object::{Object, ObjectSection};
@@ -38,15 +37,31 @@ pub fn extract_vmlinux(bzimage: &[u8], name: &Path) -> Result<Vec<u8>, ImageErro
     if !payload.starts_with(XZ_MAGIC) {
         return Err(bad("payload is not xz-compressed (only xz kernels are supported)"));
     }
-    let mut vmlinux = Vec::with_capacity(length * 5);
-    // The payload is followed by the 4-byte uncompressed size; the xz stream ends before it.
-    xz2::read::XzDecoder::new(payload)
-        .read_to_end(&mut vmlinux)
-        .map_err(|e| bad(&format!("xz payload does not decompress: {e}")))?;
+    let vmlinux = xz_single_stream(payload).map_err(|e| bad(&format!("xz payload does not decompress: {e}")))?;
     if !vmlinux.starts_with(b"\x7fELF") {
         return Err(bad("decompressed payload is not an ELF vmlinux"));
     }
     Ok(vmlinux)
+}
+
+/// Decompresses the first xz stream of `data` and ignores what follows it (the kernel
+/// appends the uncompressed size, which a multi-stream reader takes for a corrupt stream).
+fn xz_single_stream(data: &[u8]) -> Result<Vec<u8>, xz2::stream::Error> {
+    let mut stream = xz2::stream::Stream::new_stream_decoder(u64::MAX, 0)?;
+    let mut out = Vec::with_capacity(data.len() * 5);
+    loop {
+        let consumed = stream.total_in() as usize;
+        if out.capacity() - out.len() < 1 << 20 {
+            out.reserve(16 << 20);
+        }
+        match stream.process_vec(&data[consumed..], &mut out, xz2::stream::Action::Finish)? {
+            xz2::stream::Status::StreamEnd => return Ok(out),
+            _ if stream.total_in() as usize == data.len() && out.len() < out.capacity() => {
+                return Err(xz2::stream::Error::Data);
+            }
+            _ => {}
+        }
+    }
 }
 
 /// The modules of one kernel tree, by name (`-` folded to `_`, as the kernel does).
@@ -149,4 +164,48 @@ pub fn depends(ko: &Path) -> Result<Vec<String>, ImageError> {
         .filter_map(|kv| kv.strip_prefix(b"depends="))
         .flat_map(|list| String::from_utf8_lossy(list).split(',').filter(|s| !s.is_empty()).map(str::to_owned).collect::<Vec<_>>())
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+
+    use super::*;
+
+    /// A fake bzImage: header fields pointing at an xz stream of a tiny "ELF", followed by
+    /// the 4-byte size the kernel build appends.
+    fn fake_bzimage(payload_body: &[u8]) -> Vec<u8> {
+        let mut enc = xz2::write::XzEncoder::new(Vec::new(), 6);
+        enc.write_all(payload_body).unwrap();
+        let mut xz = enc.finish().unwrap();
+        xz.extend_from_slice(&(payload_body.len() as u32).to_le_bytes());
+        let mut img = vec![0u8; 2 * 512];
+        img[SETUP_SECTS] = 1;
+        img[HEADER_MAGIC..HEADER_MAGIC + 4].copy_from_slice(b"HdrS");
+        img[PAYLOAD_OFFSET..PAYLOAD_OFFSET + 4].copy_from_slice(&16u32.to_le_bytes());
+        img[PAYLOAD_LENGTH..PAYLOAD_LENGTH + 4].copy_from_slice(&(xz.len() as u32).to_le_bytes());
+        img.extend_from_slice(&[0u8; 16]);
+        img.extend_from_slice(&xz);
+        img
+    }
+
+    #[test]
+    fn test_extracts_xz_payload_ignoring_trailer() {
+        let body = [b"\x7fELF".as_slice(), &vec![0x90; 100_000]].concat();
+        let out = extract_vmlinux(&fake_bzimage(&body), Path::new("vmlinuz")).unwrap();
+        assert_eq!(out, body);
+    }
+
+    #[test]
+    fn test_rejects_non_kernels() {
+        let e = extract_vmlinux(b"not a kernel", Path::new("k")).unwrap_err().to_string();
+        assert!(e.contains("no HdrS"), "{e}");
+        let mut img = fake_bzimage(b"\x7fELF");
+        let start = 2 * 512 + 16;
+        img[start] = 0; // break the xz magic
+        let e = extract_vmlinux(&img, Path::new("k")).unwrap_err().to_string();
+        assert!(e.contains("not xz"), "{e}");
+        let e = extract_vmlinux(&fake_bzimage(b"MZ not elf"), Path::new("k")).unwrap_err().to_string();
+        assert!(e.contains("not an ELF"), "{e}");
+    }
 }

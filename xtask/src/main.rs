@@ -1,1 +1,204 @@
-fn main() {}
+//! `cargo xtask`: gdrvm's developer commands.
+
+mod build;
+mod host;
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand, ValueEnum};
+use gdrvm_harness::{exit, gdrvm_dir, junit, Artifacts, Runner, RunnerChoice, RunnerKind, VmResult, VmSpec};
+
+#[derive(Parser)]
+#[command(name = "cargo xtask", about = "gdrvm developer commands")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum RunnerArg {
+    /// Probe this host's KVM and pick.
+    Auto,
+    /// gdrvm on this host's KVM.
+    Native,
+    /// gdrvm inside L1 under QEMU TCG.
+    Nested,
+}
+
+#[derive(clap::Args)]
+struct RunOpts {
+    /// Where VMs run.
+    #[arg(long, value_enum, default_value = "auto")]
+    runner: RunnerArg,
+    /// vCPUs of the guest.
+    #[arg(long, default_value_t = 2)]
+    cpus: u32,
+    /// Guest RAM.
+    #[arg(long, default_value = "1G")]
+    memory: String,
+    /// Seconds before a hung guest is stopped.
+    #[arg(long, default_value_t = 300)]
+    timeout: u64,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Build what is missing, boot the default guest, run its suites, print the KTAP summary.
+    /// Exits 0 all passed, 1 a test failed (or the guest panicked or hung), 125 could not test.
+    Boot {
+        /// Suites to run in the guest (repeatable).
+        #[arg(long = "suite", default_value = "smoke")]
+        suites: Vec<String>,
+        /// A busybox shell on the guest console instead of suites (Ctrl-A x quits).
+        #[arg(long)]
+        shell: bool,
+        #[command(flatten)]
+        run: RunOpts,
+    },
+    /// Build the static binaries and the guest and L1 images.
+    Image,
+    /// Run every test: dependency guard, unit tests and end-to-end boots.
+    Test {
+        /// Extra arguments for `cargo test`.
+        #[arg(last = true)]
+        cargo_args: Vec<String>,
+    },
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("GDRVM_LOG").unwrap_or_else(|_| "info".into()))
+        .with_target(false)
+        .without_time()
+        .init();
+    let cli = Cli::parse();
+    let code = match cli.command {
+        Cmd::Image => build::artifacts().map(|_| exit::PASS),
+        Cmd::Boot { suites, shell, run } => boot(&suites, shell, &run),
+        Cmd::Test { cargo_args } => test(&cargo_args),
+    };
+    match code {
+        Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
+        Err(e) => {
+            eprintln!("xtask: cannot test: {e:#}");
+            ExitCode::from(exit::CANNOT_TEST as u8)
+        }
+    }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")
+}
+
+async fn runner(artifacts: Artifacts, arg: RunnerArg, echo: bool) -> Result<Runner> {
+    let choice = match arg {
+        RunnerArg::Auto => RunnerChoice::Auto,
+        RunnerArg::Native => RunnerChoice::Force(RunnerKind::Native),
+        RunnerArg::Nested => RunnerChoice::Force(RunnerKind::Nested),
+    };
+    let (kind, why) = gdrvm_harness::choose(choice, &artifacts).await;
+    println!("xtask: runner: {kind:?}: {why}");
+    if kind == RunnerKind::Nested {
+        host::require_commands(&[("qemu-system-x86_64", "qemu-system-x86")])?;
+    }
+    Ok(Runner { kind, artifacts, echo })
+}
+
+fn boot(suites: &[String], shell: bool, opts: &RunOpts) -> Result<i32> {
+    let artifacts = build::artifacts()?;
+    let rt = runtime()?;
+    let spec = VmSpec {
+        name: "boot".into(),
+        image: artifacts.guest.clone(),
+        cmdline: if shell {
+            "console=ttyS0 quiet panic=-1 gdrvm.shell".into()
+        } else {
+            format!("console=ttyS0 quiet panic=-1 gdrvm.suites={}", suites.join(","))
+        },
+        cpus: opts.cpus,
+        memory: opts.memory.clone(),
+        timeout: Duration::from_secs(opts.timeout),
+    };
+    rt.block_on(async {
+        let runner = runner(artifacts, opts.runner, true).await?;
+        if shell {
+            println!("xtask: shell on the guest console; Ctrl-A x quits");
+            return Ok(runner.run_interactive(&spec).await?);
+        }
+        let results = runner.run(std::slice::from_ref(&spec)).await?;
+        let result = results.first().context("the runner returned no result")?;
+        report(result)
+    })
+}
+
+/// Prints the summary, writes KTAP and JUnit files, returns the exit code.
+fn report(result: &VmResult) -> Result<i32> {
+    let dir = gdrvm_dir().join("results");
+    std::fs::create_dir_all(&dir)?;
+    let ktap_path = dir.join(format!("{}.ktap", result.name));
+    let junit_path = dir.join(format!("{}.xml", result.name));
+    std::fs::write(&ktap_path, result.console.join("\n") + "\n")?;
+    let problem = result.problem();
+    std::fs::write(&junit_path, junit::render(&result.name, &result.ktap, problem.as_deref()))?;
+    for suite in &result.ktap.suites {
+        let (p, f, s) = suite.cases.iter().fold((0, 0, 0), |(p, f, s), c| match c.outcome {
+            gdrvm_harness::ktap::CaseOutcome::Pass => (p + 1, f, s),
+            gdrvm_harness::ktap::CaseOutcome::Fail => (p, f + 1, s),
+            gdrvm_harness::ktap::CaseOutcome::Skip(_) => (p, f, s + 1),
+        });
+        println!("xtask: suite {}: {} ({p} passed, {f} failed, {s} skipped)", suite.name, if suite.ok { "ok" } else { "NOT OK" });
+    }
+    if let Some(problem) = &problem {
+        println!("xtask: {problem}");
+        println!("xtask: last {} console lines:", result.tail().len());
+        for line in result.tail() {
+            println!("  | {line}");
+        }
+    }
+    let code = result.exit_code();
+    println!("xtask: KTAP in {}, JUnit in {}", ktap_path.display(), junit_path.display());
+    println!(
+        "xtask: {} in {:.1?} (exit {code})",
+        match code {
+            exit::PASS => "PASS",
+            exit::FAIL => "FAIL",
+            _ => "CANNOT TEST",
+        },
+        result.elapsed
+    );
+    Ok(code)
+}
+
+/// Dependency guard: types from two versions of a rust-vmm crate do not mix.
+fn single_rust_vmm_versions() -> Result<()> {
+    let out = std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .current_dir(build::workspace())
+        .args(["tree", "--workspace", "-d", "-e", "normal", "--prefix", "none"])
+        .output()
+        .context("running cargo tree")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let dups: Vec<&str> = text
+        .lines()
+        .filter(|l| ["vm-memory ", "vfio-bindings ", "kvm-bindings ", "vmm-sys-util "].iter().any(|c| l.starts_with(c)))
+        .collect();
+    if !dups.is_empty() {
+        anyhow::bail!("duplicate rust-vmm crates in the dependency tree (their types will not match): {}", dups.join("; "));
+    }
+    println!("xtask: dependency guard: one version each of vm-memory, vfio-bindings, kvm-bindings, vmm-sys-util");
+    Ok(())
+}
+
+fn test(cargo_args: &[String]) -> Result<i32> {
+    single_rust_vmm_versions()?;
+    host::require_commands(&[("iasl", "acpica-tools"), ("qemu-system-x86_64", "qemu-system-x86")])?;
+    build::artifacts()?;
+    let status = std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .current_dir(build::workspace())
+        .args(["test", "--workspace"])
+        .args(cargo_args)
+        .status()
+        .context("running cargo test")?;
+    Ok(status.code().unwrap_or(exit::FAIL))
+}
