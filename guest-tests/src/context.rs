@@ -22,7 +22,11 @@ pub struct Context {
 impl Context {
     /// Reads the expectations and manifest from `root`, noting files that exist but do
     /// not parse as errors rather than silently ignoring them.
-    pub fn load(root: &Path, kernel_log: Result<String, String>, module_errors: Vec<String>) -> Result<Context, String> {
+    pub fn load(
+        root: &Path,
+        kernel_log: Result<String, String>,
+        module_errors: Vec<String>,
+    ) -> Result<Context, String> {
         Ok(Context {
             expect: read_json(&root.join(EXPECT_PATH.trim_start_matches('/')))?,
             image: read_json(&root.join(IMAGE_MANIFEST_PATH.trim_start_matches('/')))?,

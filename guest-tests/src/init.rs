@@ -39,7 +39,9 @@ impl InitOptions {
 
 /// Runs PID 1's whole life. Never returns.
 pub fn run() -> ! {
-    for (source, target, fstype) in [("proc", "/proc", "proc"), ("sysfs", "/sys", "sysfs"), ("devtmpfs", "/dev", "devtmpfs")] {
+    for (source, target, fstype) in
+        [("proc", "/proc", "proc"), ("sysfs", "/sys", "sysfs"), ("devtmpfs", "/dev", "devtmpfs")]
+    {
         if let Err(e) = sys::mount(source, target, fstype) {
             println!("# gdrvm-agent: cannot mount {target}: {e}");
         }

@@ -18,7 +18,10 @@ pub fn run() -> u8 {
         println!("{MARKER}error no /dev/kvm in L1: no KVM module loaded (does the CPU model offer SVM or VMX?)");
         return CANNOT_TEST;
     }
-    let jobs: L1Jobs = match std::fs::read(JOBS_PATH).map_err(|e| e.to_string()).and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string())) {
+    let jobs: L1Jobs = match std::fs::read(JOBS_PATH)
+        .map_err(|e| e.to_string())
+        .and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string()))
+    {
         Ok(jobs) => jobs,
         Err(e) => {
             println!("{MARKER}error cannot read {JOBS_PATH}: {e}");

@@ -44,7 +44,7 @@ pub enum ArtifactsError {
 pub fn gdrvm_dir() -> PathBuf {
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("target"));
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap_or(Path::new(".")).join("target"));
     target.join("gdrvm")
 }
 
@@ -58,11 +58,14 @@ impl Artifacts {
     pub fn locate() -> Result<Artifacts, ArtifactsError> {
         let path = Self::index_path();
         let bytes = std::fs::read(&path).map_err(|_| ArtifactsError::Missing(path.clone()))?;
-        let a: Artifacts =
-            serde_json::from_slice(&bytes).map_err(|e| ArtifactsError::Corrupt { path: path.clone(), reason: e.to_string() })?;
+        let a: Artifacts = serde_json::from_slice(&bytes)
+            .map_err(|e| ArtifactsError::Corrupt { path: path.clone(), reason: e.to_string() })?;
         for f in [&a.gdrvm, &a.guest.kernel, &a.guest.initrd, &a.l1.kernel, &a.l1.initrd] {
             if !f.exists() {
-                return Err(ArtifactsError::Corrupt { path: path.clone(), reason: format!("{} is missing; rebuild", f.display()) });
+                return Err(ArtifactsError::Corrupt {
+                    path: path.clone(),
+                    reason: format!("{} is missing; rebuild", f.display()),
+                });
             }
         }
         Ok(a)

@@ -45,7 +45,11 @@ pub fn render(run_name: &str, report: &KtapReport, problem: Option<&str>) -> Str
             let _ = match &case.outcome {
                 CaseOutcome::Pass if text.is_empty() => writeln!(out, "/>"),
                 CaseOutcome::Pass => writeln!(out, "><system-out>{text}</system-out></testcase>"),
-                CaseOutcome::Fail => writeln!(out, "><failure message=\"{}\">{text}</failure></testcase>", escape(case.diagnostics.last().map_or("failed", |d| d))),
+                CaseOutcome::Fail => writeln!(
+                    out,
+                    "><failure message=\"{}\">{text}</failure></testcase>",
+                    escape(case.diagnostics.last().map_or("failed", |d| d))
+                ),
                 CaseOutcome::Skip(why) => writeln!(out, "><skipped message=\"{}\"/></testcase>", escape(why)),
             };
         }
@@ -53,7 +57,12 @@ pub fn render(run_name: &str, report: &KtapReport, problem: Option<&str>) -> Str
     }
     if let Some(problem) = problem {
         let _ = writeln!(out, "  <testsuite name=\"{}\" tests=\"1\" errors=\"1\">", escape(run_name));
-        let _ = writeln!(out, "    <testcase classname=\"{0}\" name=\"run\"><error message=\"{1}\">{1}</error></testcase>", escape(run_name), escape(problem));
+        let _ = writeln!(
+            out,
+            "    <testcase classname=\"{0}\" name=\"run\"><error message=\"{1}\">{1}</error></testcase>",
+            escape(run_name),
+            escape(problem)
+        );
         let _ = writeln!(out, "  </testsuite>");
     }
     out.push_str("</testsuites>\n");

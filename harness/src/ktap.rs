@@ -66,11 +66,8 @@ impl KtapReport {
 
 /// A result line: `ok 3 name # SKIP why` → (ok, name, directive).
 fn result_line(line: &str) -> Option<(bool, String, Option<String>)> {
-    let (ok, rest) = if let Some(r) = line.strip_prefix("not ok ") {
-        (false, r)
-    } else {
-        (true, line.strip_prefix("ok ")?)
-    };
+    let (ok, rest) =
+        if let Some(r) = line.strip_prefix("not ok ") { (false, r) } else { (true, line.strip_prefix("ok ")?) };
     let (_, rest) = rest.split_once(' ').unwrap_or((rest, ""));
     let (name, directive) = match rest.split_once(" # ") {
         Some((n, d)) => (n, Some(d.trim().to_owned())),
@@ -103,7 +100,9 @@ pub fn parse(console: &str) -> KtapReport {
                 diagnostics.push(d.to_owned());
             } else if let Some((ok, name, directive)) = result_line(sub) {
                 let outcome = match directive {
-                    Some(d) if d.to_ascii_uppercase().starts_with("SKIP") => CaseOutcome::Skip(d[4..].trim().to_owned()),
+                    Some(d) if d.to_ascii_uppercase().starts_with("SKIP") => {
+                        CaseOutcome::Skip(d[4..].trim().to_owned())
+                    }
                     _ if ok => CaseOutcome::Pass,
                     _ => CaseOutcome::Fail,
                 };

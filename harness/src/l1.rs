@@ -62,7 +62,10 @@ mod tests {
         assert_eq!(classify("@@1|    ok 1 kernel_release"), L1Line::JobOutput(1, "    ok 1 kernel_release"));
         assert_eq!(classify("@@gdrvm-l1 job 0 exit 1 15234"), L1Line::JobExit { job: 0, code: 1, millis: 15234 });
         assert_eq!(classify("@@gdrvm-l1 job 0 timeout"), L1Line::JobTimeout(0));
-        assert_eq!(classify("@@gdrvm-l1 error no /dev/kvm: kvm_amd: ENODEV"), L1Line::Error("no /dev/kvm: kvm_amd: ENODEV"));
+        assert_eq!(
+            classify("@@gdrvm-l1 error no /dev/kvm: kvm_amd: ENODEV"),
+            L1Line::Error("no /dev/kvm: kvm_amd: ENODEV")
+        );
         assert_eq!(classify("[ 14.5] kvm: Unhandled WRMSR"), L1Line::Other("[ 14.5] kvm: Unhandled WRMSR"));
         assert_eq!(classify("@@x|y"), L1Line::Other("@@x|y"));
     }

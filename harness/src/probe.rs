@@ -82,7 +82,13 @@ async fn probe(artifacts: &Artifacts) -> (bool, String) {
             Some(r) if r.outcome == VmOutcome::Exited(0) && r.ktap.complete() => {
                 (true, format!("this host's KVM booted a stock kernel in {:.1?}: running natively", r.elapsed))
             }
-            Some(r) => (false, format!("this host's KVM cannot boot a stock kernel ({}): running nested under QEMU TCG", r.problem().unwrap_or_default())),
+            Some(r) => (
+                false,
+                format!(
+                    "this host's KVM cannot boot a stock kernel ({}): running nested under QEMU TCG",
+                    r.problem().unwrap_or_default()
+                ),
+            ),
             None => (false, "the KVM probe produced nothing: running nested".into()),
         },
         Err(e) => (false, format!("the KVM probe could not run ({e}): running nested")),

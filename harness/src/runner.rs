@@ -22,6 +22,8 @@ pub mod exit {
     pub const PASS: i32 = 0;
     /// A test failed, the guest panicked or hung.
     pub const FAIL: i32 = 1;
+    /// Bad arguments.
+    pub const USAGE: i32 = 2;
     /// Nothing could be tested (no image, no usable KVM, L1 failed).
     pub const CANNOT_TEST: i32 = 125;
 }
@@ -89,19 +91,22 @@ impl VmSpec {
         ]
     }
 
-    fn memory_mib(&self) -> u64 {
-        gdrvm_size_mib(&self.memory).unwrap_or(1024)
+    /// Checks what gdrvm would reject as a usage error, before anything is built or booted.
+    pub fn validate(&self) -> Result<(), String> {
+        let bytes = gdrvm_model::parse_size(&self.memory)
+            .ok_or_else(|| format!("memory '{}' is not a size (e.g. 512M, 2G)", self.memory))?;
+        if !(gdrvm_model::MIN_GUEST_MEMORY..=gdrvm_model::MAX_GUEST_MEMORY).contains(&bytes) {
+            return Err(format!("memory {} is out of range: a guest needs at least 64M and at most 1T", self.memory));
+        }
+        if self.cpus == 0 || self.cpus > 254 {
+            return Err(format!("cpus {} is out of range: 1 to 254", self.cpus));
+        }
+        Ok(())
     }
-}
 
-fn gdrvm_size_mib(s: &str) -> Option<u64> {
-    let s = s.trim();
-    let (n, mult) = match s.chars().last()? {
-        'G' | 'g' => (&s[..s.len() - 1], 1024),
-        'M' | 'm' => (&s[..s.len() - 1], 1),
-        _ => (s, 0),
-    };
-    Some(n.parse::<u64>().ok()? * mult)
+    fn memory_mib(&self) -> u64 {
+        gdrvm_model::parse_size(&self.memory).map_or(1024, |b| b >> 20)
+    }
 }
 
 /// How a VM ended.
@@ -144,6 +149,7 @@ impl VmResult {
         match &self.outcome {
             VmOutcome::Exited(0) if self.ktap.all_ok() => exit::PASS,
             VmOutcome::Exited(exit::CANNOT_TEST) | VmOutcome::CannotRun(_) => exit::CANNOT_TEST,
+            VmOutcome::Exited(exit::USAGE) => exit::USAGE,
             _ => exit::FAIL,
         }
     }
@@ -162,7 +168,12 @@ impl VmResult {
     }
 
     fn last_error(&self) -> String {
-        self.console.iter().rev().find(|l| l.starts_with("gdrvm: error:")).map(|l| format!(" ({l})")).unwrap_or_default()
+        self.console
+            .iter()
+            .rev()
+            .find(|l| l.starts_with("gdrvm: error:"))
+            .map(|l| format!(" ({l})"))
+            .unwrap_or_default()
     }
 
     /// The last [`TAIL_LINES`] console lines.
@@ -278,9 +289,15 @@ impl Runner {
             Cursor::new(serde_json::to_vec(&jobs).map_err(|e| HarnessError::Prepare(e.to_string()))?),
         )];
         let read = |p: &Path| std::fs::read(p).map_err(|e| HarnessError::Prepare(format!("{}: {e}", p.display())));
-        entries.push((cpio::newc::Builder::new(GDRVM_PATH.trim_start_matches('/')).mode(0o100755), Cursor::new(read(&self.artifacts.gdrvm)?)));
+        entries.push((
+            cpio::newc::Builder::new(GDRVM_PATH.trim_start_matches('/')).mode(0o100755),
+            Cursor::new(read(&self.artifacts.gdrvm)?),
+        ));
         for (host, guest) in &files {
-            entries.push((cpio::newc::Builder::new(guest.trim_start_matches('/')).mode(0o100644), Cursor::new(read(host)?)));
+            entries.push((
+                cpio::newc::Builder::new(guest.trim_start_matches('/')).mode(0o100644),
+                Cursor::new(read(host)?),
+            ));
         }
         let dirs = ["l1", "l1/files"].map(|d| (cpio::newc::Builder::new(d).mode(0o040755), Cursor::new(Vec::new())));
         let mut data = read(&self.artifacts.l1.initrd)?;
@@ -303,7 +320,8 @@ impl Runner {
             .arg(&self.artifacts.l1.kernel)
             .arg("-initrd")
             .arg(initrd)
-            .args(["-append", "console=ttyS0 quiet panic=-1 gdrvm.l1"]);
+            .arg("-append")
+            .arg(l1_cmdline(std::env::var("GDRVM_LOG").ok().as_deref()));
         if interactive {
             // Ctrl-C goes to the guest; Ctrl-A x (handled by gdrvm in L1) leaves.
             cmd.args(["-chardev", "stdio,id=con,signal=off", "-serial", "chardev:con"]);
@@ -376,6 +394,16 @@ impl Runner {
     }
 }
 
+/// L1's kernel command line. `GDRVM_LOG` from the host reaches gdrvm in L1 as init's
+/// environment (the kernel passes `KEY=value` words without a dot to init).
+fn l1_cmdline(gdrvm_log: Option<&str>) -> String {
+    let mut cmdline = "console=ttyS0 quiet panic=-1 gdrvm.l1".to_owned();
+    if let Some(filter) = gdrvm_log.filter(|f| !f.is_empty() && !f.contains(char::is_whitespace)) {
+        cmdline.push_str(&format!(" GDRVM_LOG={filter}"));
+    }
+    cmdline
+}
+
 fn spawn(cmd: &mut Command, program: &Path) -> Result<Child, HarnessError> {
     cmd.kill_on_drop(true).spawn().map_err(|e| HarnessError::Spawn {
         program: program.display().to_string(),
@@ -438,8 +466,18 @@ mod tests {
         assert_eq!(result(VmOutcome::Exited(0), "KTAP version 1\n1..1\n").exit_code(), exit::FAIL);
         assert_eq!(result(VmOutcome::Exited(1), PASSING).exit_code(), exit::FAIL);
         assert_eq!(result(VmOutcome::TimedOut, "").exit_code(), exit::FAIL);
-        assert_eq!(result(VmOutcome::Exited(125), "gdrvm: error: KVM: cannot open /dev/kvm").exit_code(), exit::CANNOT_TEST);
+        assert_eq!(
+            result(VmOutcome::Exited(125), "gdrvm: error: KVM: cannot open /dev/kvm").exit_code(),
+            exit::CANNOT_TEST
+        );
         assert_eq!(result(VmOutcome::CannotRun("no L1".into()), "").exit_code(), exit::CANNOT_TEST);
+    }
+
+    #[test]
+    fn test_l1_cmdline_carries_log_filter() {
+        assert_eq!(l1_cmdline(None), "console=ttyS0 quiet panic=-1 gdrvm.l1");
+        assert_eq!(l1_cmdline(Some("gdrvm=debug")), "console=ttyS0 quiet panic=-1 gdrvm.l1 GDRVM_LOG=gdrvm=debug");
+        assert_eq!(l1_cmdline(Some("a b")), "console=ttyS0 quiet panic=-1 gdrvm.l1");
     }
 
     #[test]
@@ -453,12 +491,5 @@ mod tests {
         assert!(r.tail().last().unwrap().contains("Kernel panic"));
         let err = result(VmOutcome::Exited(125), "gdrvm: error: kernel 'x' cannot be read: No such file");
         assert!(err.problem().unwrap().contains("cannot be read"));
-    }
-
-    #[test]
-    fn test_sizes() {
-        assert_eq!(gdrvm_size_mib("1G"), Some(1024));
-        assert_eq!(gdrvm_size_mib("512M"), Some(512));
-        assert_eq!(gdrvm_size_mib("x"), None);
     }
 }

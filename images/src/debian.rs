@@ -79,7 +79,10 @@ fn download(pin: &Package, dir: &Path, progress: &Progress) -> Result<PathBuf, I
         .filter_map(Result::ok)
         .map(|e| e.path())
         .find(|p| p.extension().is_some_and(|x| x == "deb"))
-        .ok_or_else(|| ImageError::Download { package: spec, reason: "apt-get reported success but wrote no .deb".into() })
+        .ok_or_else(|| ImageError::Download {
+            package: spec,
+            reason: "apt-get reported success but wrote no .deb".into(),
+        })
 }
 
 /// Unpacks `deb` into `dir` once (`dpkg-deb -x`); later calls find it there.
@@ -100,7 +103,10 @@ pub fn unpack(deb: &Path, dir: &Path, progress: &Progress) -> Result<(), ImageEr
         .map_err(|e| ImageError::Tool { tool: "dpkg-deb", reason: e.to_string() })?;
     if !status.success() {
         let _ = std::fs::remove_dir_all(&staging);
-        return Err(ImageError::Tool { tool: "dpkg-deb", reason: format!("unpacking {} failed ({status})", deb.display()) });
+        return Err(ImageError::Tool {
+            tool: "dpkg-deb",
+            reason: format!("unpacking {} failed ({status})", deb.display()),
+        });
     }
     std::fs::write(staging.join(".unpacked"), b"").map_err(io)?;
     let _ = std::fs::remove_dir_all(dir);

@@ -53,10 +53,8 @@ impl Initramfs {
     fn push(&mut self, path: &str, content: Content) {
         let path = path.trim_start_matches('/').to_owned();
         self.parents(&path);
-        if matches!(content, Content::Dir) {
-            if !self.dirs.insert(path.clone()) {
-                return;
-            }
+        if matches!(content, Content::Dir) && !self.dirs.insert(path.clone()) {
+            return;
         }
         self.entries.push((path, content));
     }
@@ -147,7 +145,10 @@ mod tests {
             seen.push((name, mode, rdev, body));
         }
         let names: Vec<&str> = seen.iter().map(|s| s.0.as_str()).collect();
-        assert_eq!(names, ["init", "lib", "lib/modules", "lib/modules/virtio_net.ko", "bin", "bin/sh", "dev", "dev/console", "proc"]);
+        assert_eq!(
+            names,
+            ["init", "lib", "lib/modules", "lib/modules/virtio_net.ko", "bin", "bin/sh", "dev", "dev/console", "proc"]
+        );
         assert_eq!(seen[0].1, 0o100755);
         assert_eq!(seen[5].3, b"busybox");
         assert_eq!((seen[7].1, seen[7].2), (0o020600, 5));

@@ -139,7 +139,10 @@ impl ModuleIndex {
             ),
         })?;
         if chain.iter().any(|c| c == name) {
-            return Err(ImageError::Module { module: name.to_owned(), reason: format!("dependency cycle: {}", chain.join(" -> ")) });
+            return Err(ImageError::Module {
+                module: name.to_owned(),
+                reason: format!("dependency cycle: {}", chain.join(" -> ")),
+            });
         }
         chain.push(name.to_owned());
         for dep in depends(path)? {
@@ -162,7 +165,9 @@ pub fn depends(ko: &Path) -> Result<Vec<String>, ImageError> {
     Ok(info
         .split(|b| *b == 0)
         .filter_map(|kv| kv.strip_prefix(b"depends="))
-        .flat_map(|list| String::from_utf8_lossy(list).split(',').filter(|s| !s.is_empty()).map(str::to_owned).collect::<Vec<_>>())
+        .flat_map(|list| {
+            String::from_utf8_lossy(list).split(',').filter(|s| !s.is_empty()).map(str::to_owned).collect::<Vec<_>>()
+        })
         .collect())
 }
 

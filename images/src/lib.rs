@@ -166,8 +166,18 @@ fn cache_key(recipe: &Recipe, extras: &[ExtraFile]) -> Result<String, ImageError
     Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }
 
+/// Returns the verified .deb of a pinned package, downloading it into the cache if needed.
+pub fn fetch(pin: &Package, cache: &Cache, progress: &Progress) -> Result<PathBuf, ImageError> {
+    debian::fetch(pin, &cache.dir("debs")?, progress)
+}
+
 /// Builds (or finds current in the cache) the image `recipe` describes, with `extras`.
-pub fn build(recipe: &Recipe, extras: &[ExtraFile], cache: &Cache, progress: &Progress) -> Result<BuiltImage, ImageError> {
+pub fn build(
+    recipe: &Recipe,
+    extras: &[ExtraFile],
+    cache: &Cache,
+    progress: &Progress,
+) -> Result<BuiltImage, ImageError> {
     let out_dir = cache.image_dir(&recipe.name);
     let key = cache_key(recipe, extras)?;
     let initramfs = out_dir.join("initramfs.cpio");
@@ -180,9 +190,8 @@ pub fn build(recipe: &Recipe, extras: &[ExtraFile], cache: &Cache, progress: &Pr
         }
     }
 
-    let debs = cache.dir("debs")?;
-    let kernel_deb = debian::fetch(&recipe.kernel.pin, &debs, progress)?;
-    let busybox_deb = debian::fetch(&recipe.busybox, &debs, progress)?;
+    let kernel_deb = fetch(&recipe.kernel.pin, cache, progress)?;
+    let busybox_deb = fetch(&recipe.busybox, cache, progress)?;
     let unpacked = cache.dir("unpacked")?;
     let kernel_tree = unpacked.join(format!("{}_{}", recipe.kernel.pin.package, recipe.kernel.pin.version));
     let busybox_tree = unpacked.join(format!("{}_{}", recipe.busybox.package, recipe.busybox.version));
@@ -203,7 +212,8 @@ pub fn build(recipe: &Recipe, extras: &[ExtraFile], cache: &Cache, progress: &Pr
 
     let index = ModuleIndex::new(&kernel_tree.join("lib/modules").join(&recipe.kernel.release))?;
     let required = index.resolve(&recipe.modules.load)?;
-    let optional: Vec<_> = index.resolve(&recipe.modules.try_load)?.into_iter().filter(|m| !required.contains(m)).collect();
+    let optional: Vec<_> =
+        index.resolve(&recipe.modules.try_load)?.into_iter().filter(|m| !required.contains(m)).collect();
 
     progress(&format!("writing the {} initramfs", recipe.name));
     let mut fs = Initramfs::new();

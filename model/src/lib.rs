@@ -47,3 +47,23 @@ impl Expectations {
         serde_json::to_string_pretty(self).unwrap_or_default()
     }
 }
+
+/// Smallest guest RAM a stock Linux kernel with an initramfs boots in.
+pub const MIN_GUEST_MEMORY: u64 = 64 << 20;
+/// Largest guest RAM gdrvm lays out (1 TiB).
+pub const MAX_GUEST_MEMORY: u64 = 1 << 40;
+
+/// Parses a size such as `512M`, `4G`, `2GiB` or `1048576` into bytes (K, M, G, T suffixes
+/// are binary). `None` for anything else, or a size that overflows.
+pub fn parse_size(s: &str) -> Option<u64> {
+    let t = s.trim();
+    let t = t.strip_suffix("iB").or_else(|| t.strip_suffix('B')).unwrap_or(t);
+    let (digits, shift) = match t.chars().last()? {
+        'K' | 'k' => (&t[..t.len() - 1], 10),
+        'M' | 'm' => (&t[..t.len() - 1], 20),
+        'G' | 'g' => (&t[..t.len() - 1], 30),
+        'T' | 't' => (&t[..t.len() - 1], 40),
+        _ => (t, 0),
+    };
+    digits.parse::<u64>().ok()?.checked_mul(1u64 << shift)
+}

@@ -1,1 +1,70 @@
-//! placeholder
+//! The end-to-end fixture: every guest the tests need, run once in one batch (so a nested
+//! run boots L1 once), with results shared by the test functions.
+//!
+//! Tests need the artifacts `cargo xtask test` builds first; without them each test prints
+//! SKIP with the reason instead of passing silently.
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use gdrvm_harness::{Artifacts, Runner, RunnerChoice, VmResult, VmSpec};
+
+/// Names of the guests in the batch.
+pub mod guests {
+    /// The default image running the smoke suite on 2 vCPUs and 1 GiB.
+    pub const SMOKE: &str = "smoke-2cpu-1g";
+    /// The default image on 1 vCPU and 512 MiB.
+    pub const SMOKE_SMALL: &str = "smoke-1cpu-512m";
+    /// A guest whose init does not exist: the kernel panics.
+    pub const NO_INIT: &str = "panic-no-init";
+}
+
+fn specs(a: &Artifacts) -> Vec<VmSpec> {
+    let spec = |name: &str, cmdline: &str, cpus: u32, memory: &str| VmSpec {
+        name: name.into(),
+        image: a.guest.clone(),
+        cmdline: cmdline.into(),
+        cpus,
+        memory: memory.into(),
+        timeout: Duration::from_secs(300),
+    };
+    vec![
+        spec(guests::SMOKE, "console=ttyS0 quiet panic=-1 gdrvm.suites=smoke", 2, "1G"),
+        spec(guests::SMOKE_SMALL, "console=ttyS0 quiet panic=-1 gdrvm.suites=smoke", 1, "512M"),
+        spec(guests::NO_INIT, "console=ttyS0 quiet panic=-1 rdinit=/no/such/init", 1, "256M"),
+    ]
+}
+
+/// Why the end-to-end tests cannot run, or the artifacts to run with.
+pub fn artifacts() -> Result<Artifacts, String> {
+    Artifacts::locate().map_err(|e| e.to_string())
+}
+
+static RESULTS: OnceLock<Result<Vec<VmResult>, String>> = OnceLock::new();
+
+fn run_batch() -> Result<Vec<VmResult>, String> {
+    let a = artifacts()?;
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().map_err(|e| e.to_string())?;
+    rt.block_on(async {
+        let (kind, why) = gdrvm_harness::choose(RunnerChoice::Auto, &a).await;
+        eprintln!("e2e: runner {kind:?}: {why}");
+        // GDRVM_ECHO=1 prints every console line as it arrives, for debugging a slow run.
+        let runner = Runner { kind, artifacts: a.clone(), echo: std::env::var_os("GDRVM_ECHO").is_some() };
+        let results = runner.run(&specs(&a)).await.map_err(|e| e.to_string())?;
+        for r in &results {
+            eprintln!("e2e: {}: {:?} in {:.1?}", r.name, r.outcome, r.elapsed);
+        }
+        Ok(results)
+    })
+}
+
+/// The result of guest `name`, or the reason the batch could not run (the caller SKIPs).
+pub fn result(name: &str) -> Result<VmResult, String> {
+    let results = RESULTS.get_or_init(run_batch).as_ref().map_err(Clone::clone)?;
+    results.iter().find(|r| r.name == name).cloned().ok_or_else(|| format!("no guest named {name} in the batch"))
+}
+
+/// Prints a SKIP line for the test runner's output.
+pub fn skip(test: &str, why: &str) {
+    eprintln!("SKIP {test}: {why}");
+}

@@ -106,7 +106,8 @@ fn io_register(port: u16) -> GAS {
 }
 
 fn madt(cpus: u32) -> Vec<u8> {
-    let mut madt = MADT::new(OEM_ID, OEM_TABLE_ID, OEM_REVISION, LocalInterruptController::Address(layout::LAPIC_START as u32));
+    let mut madt =
+        MADT::new(OEM_ID, OEM_TABLE_ID, OEM_REVISION, LocalInterruptController::Address(layout::LAPIC_START as u32));
     for id in 0..cpus {
         // cpus is validated to at most 254, so ids fit the 8-bit xAPIC entry.
         let id = id as u8;
@@ -164,7 +165,9 @@ mod tests {
         bytes
             .chunks(16)
             .enumerate()
-            .map(|(i, c)| format!("{:04x}: {}", i * 16, c.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(" ")))
+            .map(|(i, c)| {
+                format!("{:04x}: {}", i * 16, c.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(" "))
+            })
             .collect::<Vec<_>>()
             .join("\n")
     }
@@ -195,10 +198,8 @@ mod tests {
 
     #[test]
     fn test_table_bytes_snapshot() {
-        let dump: String = build(2)
-            .iter()
-            .map(|t| format!("{} @ {:#x}\n{}\n", t.signature, t.addr, hexdump(&t.bytes)))
-            .collect();
+        let dump: String =
+            build(2).iter().map(|t| format!("{} @ {:#x}\n{}\n", t.signature, t.addr, hexdump(&t.bytes))).collect();
         insta::assert_snapshot!(dump);
     }
 

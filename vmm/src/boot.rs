@@ -120,11 +120,8 @@ fn load_kernel(mem: &GuestMemoryMmap, config: &VmConfig) -> Result<KernelLoaderR
     let mut magic = [0u8; 4];
     let is_elf = file.read_exact(&mut magic).is_ok() && &magic == ELF_MAGIC;
     let himem = Some(GuestAddress(layout::HIMEM_START));
-    let result = if is_elf {
-        Elf::load(mem, None, &mut file, himem)
-    } else {
-        BzImage::load(mem, None, &mut file, himem)
-    };
+    let result =
+        if is_elf { Elf::load(mem, None, &mut file, himem) } else { BzImage::load(mem, None, &mut file, himem) };
     result.map_err(|source| BootError::KernelLoad { path, source })
 }
 
@@ -310,7 +307,9 @@ mod tests {
         m.read_slice(&mut cmd, GuestAddress(info.cmdline_paddr)).unwrap();
         assert_eq!(&cmd[..19], b"console=ttyS0 quiet");
         assert_eq!(cmd[19], 0);
-        let ram: hvm_memmap_table_entry = m.read_obj(GuestAddress(layout::PVH_MEMMAP_START + 2 * std::mem::size_of::<hvm_memmap_table_entry>() as u64)).unwrap();
+        let ram: hvm_memmap_table_entry = m
+            .read_obj(GuestAddress(layout::PVH_MEMMAP_START + 2 * std::mem::size_of::<hvm_memmap_table_entry>() as u64))
+            .unwrap();
         assert_eq!((ram.addr, ram.size, ram.type_), (MIB, 63 * MIB, 1));
     }
 

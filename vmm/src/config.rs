@@ -2,10 +2,8 @@
 
 use std::path::PathBuf;
 
-/// Smallest guest a stock Linux kernel with an initramfs can boot in.
-pub const MIN_MEMORY: u64 = 64 << 20;
-/// Largest guest this VMM lays out (guest-physical space it maps, 1 TiB).
-pub const MAX_MEMORY: u64 = 1 << 40;
+use gdrvm_model::{MAX_GUEST_MEMORY as MAX_MEMORY, MIN_GUEST_MEMORY as MIN_MEMORY};
+
 /// Most vCPUs (MADT local APIC entries are 8-bit; x2APIC comes with the topology work).
 pub const MAX_CPUS: u32 = 254;
 
@@ -77,18 +75,7 @@ fn check_readable(what: &'static str, path: &std::path::Path) -> Result<(), Conf
 
 /// Parses `512M`, `4G`, `1048576`, `2GiB` into bytes.
 pub fn parse_size(s: &str) -> Result<u64, ConfigError> {
-    let bad = || ConfigError::BadSize(s.to_owned());
-    let t = s.trim();
-    let t = t.strip_suffix("iB").or_else(|| t.strip_suffix('B')).unwrap_or(t);
-    let (digits, shift) = match t.chars().last() {
-        Some('K' | 'k') => (&t[..t.len() - 1], 10),
-        Some('M' | 'm') => (&t[..t.len() - 1], 20),
-        Some('G' | 'g') => (&t[..t.len() - 1], 30),
-        Some('T' | 't') => (&t[..t.len() - 1], 40),
-        _ => (t, 0),
-    };
-    let n: u64 = digits.parse().map_err(|_| bad())?;
-    n.checked_mul(1u64 << shift).ok_or_else(bad)
+    gdrvm_model::parse_size(s).ok_or_else(|| ConfigError::BadSize(s.to_owned()))
 }
 
 #[cfg(test)]

@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use event_manager::{EventManager, EventOps, Events, MutEventSubscriber, SubscriberOps};
 use gdrvm_devices::{
-    AcpiSleepControl, Bus, BusDevice, DebugExit, GuestExit, GuestExitSignal, ResetRegister, Serial, SerialInput, I8042,
-    ACPI_RESET_PORT, ACPI_SLEEP_PORT, COM1_IRQ, COM1_PORT,
+    AcpiSleepControl, Bus, BusDevice, DebugExit, GuestExit, GuestExitSignal, ResetRegister, Serial, SerialInput,
+    ACPI_RESET_PORT, ACPI_SLEEP_PORT, COM1_IRQ, COM1_PORT, I8042,
 };
 use gdrvm_model::{Expectations, DEBUG_EXIT_PORT};
 use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, KVM_MAX_CPUID_ENTRIES, KVM_PIT_SPEAKER_DUMMY};
@@ -123,6 +123,9 @@ pub struct ConsoleOptions {
 /// Builds the VM described by `config` and runs it until it stops.
 pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Result<RunReport, VmmError> {
     config.validate()?;
+    // Every input is checked before KVM is touched.
+    let expect = Expectations { cpus: config.cpus, memory_bytes: config.memory };
+    let initrd = config.initrd.as_deref().map(|path| initrd::build(path, &expect)).transpose()?;
     // Host signals are read from a signalfd; block them before any thread starts.
     let signals = SignalFd::new()?;
     let kvm_sys = Kvm::new().map_err(kvm("open /dev/kvm"))?;
@@ -138,8 +141,6 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
     tracing::debug!(elapsed = ?started.elapsed(), "VM and guest RAM ready");
 
     let rsdp = acpi::write(&ram.memory, config.cpus)?;
-    let expect = Expectations { cpus: config.cpus, memory_bytes: config.memory };
-    let initrd = config.initrd.as_deref().map(|path| initrd::build(path, &expect)).transpose()?;
     let entry = boot::load(&ram.memory, config, initrd.as_deref(), rsdp)?;
     vcpu::write_boot_tables(&ram.memory, entry.mode)?;
     tracing::debug!(elapsed = ?started.elapsed(), "kernel, initrd and firmware loaded");
@@ -212,7 +213,9 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
             break cause;
         }
     };
+    tracing::debug!(?cause, "stopping the vCPUs");
     let vcpu_errors = threads.stop_all();
+    tracing::debug!("vCPUs stopped");
     if let Some(err) = vcpu_errors.into_iter().next() {
         return Err(err.into());
     }
@@ -237,9 +240,10 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
 
 fn register_memory(vm: &VmFd, mem: &vm_memory::GuestMemoryMmap) -> Result<(), VmmError> {
     for (slot, region) in (0u32..).zip(mem.iter()) {
-        let host_addr = mem
-            .get_host_address(region.start_addr())
-            .map_err(|_| VmmError::Host { what: "map guest memory", source: std::io::Error::from_raw_os_error(libc::EFAULT) })?;
+        let host_addr = mem.get_host_address(region.start_addr()).map_err(|_| VmmError::Host {
+            what: "map guest memory",
+            source: std::io::Error::from_raw_os_error(libc::EFAULT),
+        })?;
         let region = kvm_userspace_memory_region {
             slot,
             guest_phys_addr: region.start_addr().0,
@@ -479,7 +483,10 @@ impl MutEventSubscriber for Supervisor {
 fn rss_beyond_guest_kib() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let field = |name: &str| {
-        status.lines().find_map(|l| l.strip_prefix(name)).and_then(|v| v.trim().trim_end_matches(" kB").trim().parse::<u64>().ok())
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().trim_end_matches(" kB").trim().parse::<u64>().ok())
     };
     Some(field("RssAnon:")? + field("RssFile:")?)
 }

@@ -66,9 +66,7 @@ fn main() -> ExitCode {
     let started = Instant::now();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("GDRVM_LOG").unwrap_or_else(|_| "warn".into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("GDRVM_LOG").unwrap_or_else(|_| "warn".into()))
         .init();
     let cli = Cli::parse();
     match cli.command {

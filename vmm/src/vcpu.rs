@@ -123,8 +123,8 @@ pub fn cpuid_for(base: &CpuId, id: u32, cpus: u32) -> CpuId {
             }
             0xb | 0x1f => {
                 let (eax, ebx, level) = match e.index {
-                    0 => (0, 1, 1),           // SMT level: one thread per core
-                    1 => (shift, cpus, 2),    // core level: every vCPU is a core
+                    0 => (0, 1, 1),        // SMT level: one thread per core
+                    1 => (shift, cpus, 2), // core level: every vCPU is a core
                     _ => (0, 0, 0),
                 };
                 e.eax = eax;
@@ -277,7 +277,8 @@ pub fn write_boot_tables(mem: &GuestMemoryMmap, mode: EntryMode) -> Result<(), V
     let code = if mode == EntryMode::Pvh { GDT_CODE32 } else { GDT_CODE64 };
     let gdt = [0, gdt_entry(code, 0, 0xfffff), gdt_entry(GDT_DATA, 0, 0xfffff), gdt_entry(GDT_TSS, 0, 0xfffff)];
     for (i, e) in gdt.iter().enumerate() {
-        mem.write_obj(*e, GuestAddress(layout::BOOT_GDT_START + 8 * i as u64)).map_err(|_| VcpuError::GuestWrite("GDT"))?;
+        mem.write_obj(*e, GuestAddress(layout::BOOT_GDT_START + 8 * i as u64))
+            .map_err(|_| VcpuError::GuestWrite("GDT"))?;
     }
     mem.write_obj(0u64, GuestAddress(layout::BOOT_IDT_START)).map_err(|_| VcpuError::GuestWrite("IDT"))?;
     if mode == EntryMode::Linux64 {
@@ -306,6 +307,7 @@ pub struct ExitContext {
 
 /// Runs vCPU `id` until the VMM asks it to stop or the guest cannot go on.
 pub fn run(mut vcpu: VcpuFd, id: u32, ctx: &ExitContext) -> Result<(), VcpuError> {
+    let _done = LeaveLog(id);
     while !ctx.stop.load(Ordering::Acquire) {
         match vcpu.run() {
             Ok(VcpuExit::IoIn(port, data)) => {
@@ -327,7 +329,8 @@ pub fn run(mut vcpu: VcpuFd, id: u32, ctx: &ExitContext) -> Result<(), VcpuError
                 return Ok(());
             }
             Ok(VcpuExit::SystemEvent(kind, _)) => {
-                let exit = if kind == kvm_bindings::KVM_SYSTEM_EVENT_RESET { GuestExit::Reset } else { GuestExit::PowerOff };
+                let exit =
+                    if kind == kvm_bindings::KVM_SYSTEM_EVENT_RESET { GuestExit::Reset } else { GuestExit::PowerOff };
                 ctx.signal.request(exit);
                 return Ok(());
             }
@@ -338,7 +341,10 @@ pub fn run(mut vcpu: VcpuFd, id: u32, ctx: &ExitContext) -> Result<(), VcpuError
             }
             Ok(VcpuExit::Intr) => {}
             Ok(VcpuExit::FailEntry(reason, cpu)) => {
-                return Err(VcpuError::Hardware { id, reason: format!("entry failed (reason {reason:#x}, host cpu {cpu})") });
+                return Err(VcpuError::Hardware {
+                    id,
+                    reason: format!("entry failed (reason {reason:#x}, host cpu {cpu})"),
+                });
             }
             Ok(VcpuExit::InternalError) => {
                 // SAFETY: KVM filled the `internal` member for a KVM_EXIT_INTERNAL_ERROR exit.
@@ -357,6 +363,15 @@ pub fn run(mut vcpu: VcpuFd, id: u32, ctx: &ExitContext) -> Result<(), VcpuError
         }
     }
     Ok(())
+}
+
+/// Logs when a vCPU leaves its loop, on every path.
+struct LeaveLog(u32);
+
+impl Drop for LeaveLog {
+    fn drop(&mut self) {
+        tracing::debug!(id = self.0, "vCPU left its loop");
+    }
 }
 
 #[cfg(test)]

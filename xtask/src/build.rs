@@ -10,7 +10,7 @@ use gdrvm_images::{Cache, ExtraFile, Recipe, Source};
 
 /// The workspace root.
 pub fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap_or(Path::new(".")).to_owned()
 }
 
 const TARGET: &str = "x86_64-unknown-linux-gnu";

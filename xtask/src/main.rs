@@ -3,12 +3,13 @@
 mod build;
 mod host;
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
-use gdrvm_harness::{exit, gdrvm_dir, junit, Artifacts, Runner, RunnerChoice, RunnerKind, VmResult, VmSpec};
+use gdrvm_harness::{exit, gdrvm_dir, junit, Artifacts, BootImage, Runner, RunnerChoice, RunnerKind, VmResult, VmSpec};
 
 #[derive(Parser)]
 #[command(name = "cargo xtask", about = "gdrvm developer commands")]
@@ -107,11 +108,9 @@ async fn runner(artifacts: Artifacts, arg: RunnerArg, echo: bool) -> Result<Runn
 }
 
 fn boot(suites: &[String], shell: bool, opts: &RunOpts) -> Result<i32> {
-    let artifacts = build::artifacts()?;
-    let rt = runtime()?;
-    let spec = VmSpec {
+    let mut spec = VmSpec {
         name: "boot".into(),
-        image: artifacts.guest.clone(),
+        image: BootImage { kernel: PathBuf::new(), initrd: PathBuf::new() },
         cmdline: if shell {
             "console=ttyS0 quiet panic=-1 gdrvm.shell".into()
         } else {
@@ -121,6 +120,13 @@ fn boot(suites: &[String], shell: bool, opts: &RunOpts) -> Result<i32> {
         memory: opts.memory.clone(),
         timeout: Duration::from_secs(opts.timeout),
     };
+    if let Err(e) = spec.validate() {
+        eprintln!("xtask: usage: {e}");
+        return Ok(exit::USAGE);
+    }
+    let artifacts = build::artifacts()?;
+    spec.image = artifacts.guest.clone();
+    let rt = runtime()?;
     rt.block_on(async {
         let runner = runner(artifacts, opts.runner, true).await?;
         if shell {
@@ -148,7 +154,11 @@ fn report(result: &VmResult) -> Result<i32> {
             gdrvm_harness::ktap::CaseOutcome::Fail => (p, f + 1, s),
             gdrvm_harness::ktap::CaseOutcome::Skip(_) => (p, f, s + 1),
         });
-        println!("xtask: suite {}: {} ({p} passed, {f} failed, {s} skipped)", suite.name, if suite.ok { "ok" } else { "NOT OK" });
+        println!(
+            "xtask: suite {}: {} ({p} passed, {f} failed, {s} skipped)",
+            suite.name,
+            if suite.ok { "ok" } else { "NOT OK" }
+        );
     }
     if let Some(problem) = &problem {
         println!("xtask: {problem}");
@@ -184,7 +194,10 @@ fn single_rust_vmm_versions() -> Result<()> {
         .filter(|l| ["vm-memory ", "vfio-bindings ", "kvm-bindings ", "vmm-sys-util "].iter().any(|c| l.starts_with(c)))
         .collect();
     if !dups.is_empty() {
-        anyhow::bail!("duplicate rust-vmm crates in the dependency tree (their types will not match): {}", dups.join("; "));
+        anyhow::bail!(
+            "duplicate rust-vmm crates in the dependency tree (their types will not match): {}",
+            dups.join("; ")
+        );
     }
     println!("xtask: dependency guard: one version each of vm-memory, vfio-bindings, kvm-bindings, vmm-sys-util");
     Ok(())

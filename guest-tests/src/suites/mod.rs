@@ -12,7 +12,10 @@ pub const SUITES: &[&str] = &["smoke"];
 pub fn run(name: &str, ctx: &Context) -> SuiteReport {
     let checks = match name {
         "smoke" => smoke::run(ctx),
-        other => vec![Check::new("suite_exists", Verdict::Fail(format!("no suite named '{other}' (known: {})", SUITES.join(", "))))],
+        other => vec![Check::new(
+            "suite_exists",
+            Verdict::Fail(format!("no suite named '{other}' (known: {})", SUITES.join(", "))),
+        )],
     };
     SuiteReport { name: name.to_owned(), checks }
 }

@@ -80,7 +80,12 @@ fn memory(ctx: &Context) -> Check {
         Some(k) => (k, "kernel's boot memory line"),
         None => match meminfo_total_kib(ctx) {
             Some(k) => (k, "MemTotal"),
-            None => return Check::new("memory", Verdict::Fail("neither the kernel log nor /proc/meminfo give the RAM size".into())),
+            None => {
+                return Check::new(
+                    "memory",
+                    Verdict::Fail("neither the kernel log nor /proc/meminfo give the RAM size".into()),
+                )
+            }
         },
     };
     let seen = kib * 1024;
@@ -89,14 +94,21 @@ fn memory(ctx: &Context) -> Check {
     let verdict = if off <= MEMORY_TOLERANCE {
         Verdict::Pass
     } else {
-        Verdict::Fail(format!("the kernel sees {} MiB, {} MiB configured ({:.1}% off)", seen >> 20, configured >> 20, off * 100.0))
+        Verdict::Fail(format!(
+            "the kernel sees {} MiB, {} MiB configured ({:.1}% off)",
+            seen >> 20,
+            configured >> 20,
+            off * 100.0
+        ))
     };
     Check::new("memory", verdict).note(format!("{} MiB of {} MiB configured ({source})", seen >> 20, configured >> 20))
 }
 
 fn meminfo_total_kib(ctx: &Context) -> Option<u64> {
     let text = std::fs::read_to_string(ctx.path("/proc/meminfo")).ok()?;
-    text.lines().find_map(|l| l.strip_prefix("MemTotal:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+    text.lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
 }
 
 fn kernel_log_clean(ctx: &Context) -> Check {
@@ -108,7 +120,8 @@ fn kernel_log_clean(ctx: &Context) -> Check {
     if bad.is_empty() {
         return Check::new("kernel_log_clean", Verdict::Pass);
     }
-    let mut check = Check::new("kernel_log_clean", Verdict::Fail(format!("{} bad line(s) in the kernel log", bad.len())));
+    let mut check =
+        Check::new("kernel_log_clean", Verdict::Fail(format!("{} bad line(s) in the kernel log", bad.len())));
     for line in bad.iter().take(10) {
         check = check.note(line.trim());
     }
