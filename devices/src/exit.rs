@@ -33,6 +33,7 @@ impl GuestExitSignal {
 
     /// Records a stop request (the first one wins) and wakes the event loop.
     pub fn request(&self, exit: GuestExit) {
+        tracing::debug!(?exit, "guest asked the machine to stop");
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         state.0.get_or_insert(exit);
         drop(state);

@@ -116,8 +116,6 @@ pub enum VmOutcome {
     Exited(i32),
     /// The guest ran past its timeout.
     TimedOut,
-    /// The guest kernel panicked.
-    Panicked,
     /// The VM could not be run.
     CannotRun(String),
 }
@@ -129,6 +127,8 @@ pub struct VmResult {
     pub name: String,
     /// How it ended.
     pub outcome: VmOutcome,
+    /// The guest kernel panicked (seen on the console), whatever happened after.
+    pub panicked: bool,
     /// Console and gdrvm log lines, in order.
     pub console: Vec<String>,
     /// KTAP parsed from the console.
@@ -140,13 +140,14 @@ pub struct VmResult {
 impl VmResult {
     fn new(name: &str, outcome: VmOutcome, console: Vec<String>, elapsed: Duration) -> Self {
         let text = console.join("\n");
-        let outcome = if text.contains(PANIC_MARKER) { VmOutcome::Panicked } else { outcome };
-        VmResult { name: name.to_owned(), outcome, ktap: ktap::parse(&text), console, elapsed }
+        let panicked = text.contains(PANIC_MARKER);
+        VmResult { name: name.to_owned(), outcome, panicked, ktap: ktap::parse(&text), console, elapsed }
     }
 
     /// `git bisect run` status: 0 all passed, 1 failed/panicked/hung, 125 could not test.
     pub fn exit_code(&self) -> i32 {
         match &self.outcome {
+            _ if self.panicked => exit::FAIL,
             VmOutcome::Exited(0) if self.ktap.all_ok() => exit::PASS,
             VmOutcome::Exited(exit::CANNOT_TEST) | VmOutcome::CannotRun(_) => exit::CANNOT_TEST,
             VmOutcome::Exited(exit::USAGE) => exit::USAGE,
@@ -157,12 +158,15 @@ impl VmResult {
     /// A sentence for what went wrong at the VM level, if anything did.
     pub fn problem(&self) -> Option<String> {
         match &self.outcome {
+            VmOutcome::TimedOut if self.panicked => {
+                Some(format!("the guest kernel panicked and did not reset within {:.0?}", self.elapsed))
+            }
+            _ if self.panicked => Some("the guest kernel panicked".into()),
             VmOutcome::Exited(0) if self.ktap.complete() => None,
             VmOutcome::Exited(0) => Some("the guest exited without a complete KTAP report".into()),
             VmOutcome::Exited(1) if self.ktap.complete() => None,
             VmOutcome::Exited(code) => Some(format!("gdrvm exited with status {code}{}", self.last_error())),
             VmOutcome::TimedOut => Some(format!("the guest hung: no exit within {:.0?}", self.elapsed)),
-            VmOutcome::Panicked => Some("the guest kernel panicked".into()),
             VmOutcome::CannotRun(why) => Some(format!("could not run: {why}")),
         }
     }
@@ -484,9 +488,13 @@ mod tests {
     fn test_panic_detected_and_tail_kept() {
         let mut console: Vec<String> = (0..100).map(|i| format!("line {i}")).collect();
         console.push("[    1.2] Kernel panic - not syncing: VFS: Unable to mount root fs".into());
-        let r = VmResult::new("t", VmOutcome::Exited(1), console, Duration::ZERO);
-        assert_eq!(r.outcome, VmOutcome::Panicked);
+        let r = VmResult::new("t", VmOutcome::Exited(1), console.clone(), Duration::ZERO);
+        assert!(r.panicked);
+        assert_eq!(r.outcome, VmOutcome::Exited(1));
         assert_eq!(r.exit_code(), exit::FAIL);
+        assert_eq!(r.problem().as_deref(), Some("the guest kernel panicked"));
+        let hung = VmResult::new("t", VmOutcome::TimedOut, console, Duration::from_secs(300));
+        assert!(hung.problem().unwrap().contains("did not reset"), "{:?}", hung.problem());
         assert_eq!(r.tail().len(), TAIL_LINES);
         assert!(r.tail().last().unwrap().contains("Kernel panic"));
         let err = result(VmOutcome::Exited(125), "gdrvm: error: kernel 'x' cannot be read: No such file");

@@ -2,6 +2,7 @@
 //! kernel, with the firmware tables and devices a GPU training node's guest needs.
 
 pub mod acpi;
+pub mod bios;
 pub mod boot;
 pub mod config;
 mod console;

@@ -26,7 +26,7 @@ use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 use crate::config::{ConfigError, VmConfig};
 use crate::console::{EscapeFilter, InputAction, RawTerminal};
 use crate::vcpu::{self, ExitContext, VcpuError};
-use crate::{acpi, boot, initrd, layout, memory};
+use crate::{acpi, bios, boot, initrd, layout, memory};
 
 /// Errors that stop a VM from being built or run.
 #[derive(Debug, thiserror::Error)]
@@ -141,6 +141,10 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
     tracing::debug!(elapsed = ?started.elapsed(), "VM and guest RAM ready");
 
     let rsdp = acpi::write(&ram.memory, config.cpus)?;
+    bios::write(&ram.memory).map_err(|_| VmmError::Host {
+        what: "write the reset vector",
+        source: std::io::Error::from_raw_os_error(libc::EFAULT),
+    })?;
     let entry = boot::load(&ram.memory, config, initrd.as_deref(), rsdp)?;
     vcpu::write_boot_tables(&ram.memory, entry.mode)?;
     tracing::debug!(elapsed = ?started.elapsed(), "kernel, initrd and firmware loaded");
