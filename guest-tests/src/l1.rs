@@ -1,13 +1,14 @@
 //! The agent's L1 role in nested runs: on a host whose KVM cannot boot a stock kernel, the
-//! harness boots L1 under QEMU TCG with this agent as init. It runs the host's gdrvm jobs
-//! on L1's `/dev/kvm` and relays each job's output and exit status as marker lines.
+//! harness boots L1 under QEMU TCG with this agent as init. It runs the host's VM jobs
+//! (gdrvm, or QEMU for comparisons) on L1's `/dev/kvm` and relays each job's output, the
+//! time to its first KTAP line and its exit status as marker lines.
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use gdrvm_model::l1::{job_output_prefix, L1Job, L1Jobs, GDRVM_PATH, JOBS_PATH, MARKER};
+use gdrvm_model::l1::{job_output_prefix, L1Job, L1Jobs, JOBS_PATH, MARKER};
 
 /// Exit status of L1 when it could not run its jobs.
 const CANNOT_TEST: u8 = 125;
@@ -37,7 +38,7 @@ pub fn run() -> u8 {
             Ok(Some(code)) => println!("{MARKER}job {i} exit {code} {}", started.elapsed().as_millis()),
             Ok(None) => println!("{MARKER}job {i} timeout"),
             Err(e) => {
-                println!("{MARKER}error job {i}: cannot start {GDRVM_PATH}: {e}");
+                println!("{MARKER}error job {i}: cannot start {}: {e}", job.program);
                 return CANNOT_TEST;
             }
         }
@@ -47,8 +48,8 @@ pub fn run() -> u8 {
 }
 
 fn command(job: &L1Job) -> Command {
-    let mut cmd = Command::new(GDRVM_PATH);
-    cmd.arg("run").args(&job.args);
+    let mut cmd = Command::new(&job.program);
+    cmd.args(&job.args);
     cmd
 }
 
@@ -59,22 +60,31 @@ fn code(status: std::process::ExitStatus) -> i32 {
 }
 
 fn run_attached(job: &L1Job) -> std::io::Result<Option<i32>> {
-    let status = command(job).arg("--interactive").status()?;
-    Ok(Some(code(status)))
+    Ok(Some(code(command(job).status()?)))
 }
 
-fn relay(job: usize, stream: impl Read + Send + 'static) -> std::thread::JoinHandle<()> {
+/// Relays a job's output; with `started`, also reports when the first KTAP line arrived.
+fn relay(job: usize, stream: impl Read + Send + 'static, started: Option<Instant>) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let prefix = job_output_prefix(job);
+        let mut started = started;
         for line in BufReader::new(stream).split(b'\n').map_while(Result::ok) {
-            println!("{prefix}{}", String::from_utf8_lossy(&line).trim_end_matches('\r'));
+            let line = String::from_utf8_lossy(&line);
+            let line = line.trim_end_matches('\r');
+            if line == "KTAP version 1" {
+                if let Some(t) = started.take() {
+                    println!("{MARKER}job {job} ktap {}", t.elapsed().as_millis());
+                }
+            }
+            println!("{prefix}{line}");
         }
     })
 }
 
 fn run_relayed(i: usize, job: &L1Job) -> std::io::Result<Option<i32>> {
+    let started = Instant::now();
     let mut child = command(job).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
-    let relays: Vec<_> = [child.stdout.take().map(|s| relay(i, s)), child.stderr.take().map(|s| relay(i, s))]
+    let relays: Vec<_> = [child.stdout.take().map(|s| relay(i, s, Some(started))), child.stderr.take().map(|s| relay(i, s, None))]
         .into_iter()
         .flatten()
         .collect();

@@ -13,6 +13,8 @@ pub enum L1Line<'a> {
     JobStart(usize),
     /// A console or log line of job `n`.
     JobOutput(usize, &'a str),
+    /// Job `n` printed its first KTAP line `millis` after it started.
+    JobKtap { job: usize, millis: u64 },
     /// Job `n` exited with `code` after `millis`.
     JobExit { job: usize, code: i32, millis: u64 },
     /// Job `n` ran past its timeout and was killed.
@@ -34,6 +36,10 @@ pub fn classify(line: &str) -> L1Line<'_> {
             ["error", ..] => L1Line::Error(rest["error".len()..].trim()),
             ["job", n, "start"] => n.parse().map_or(L1Line::Other(line), L1Line::JobStart),
             ["job", n, "timeout"] => n.parse().map_or(L1Line::Other(line), L1Line::JobTimeout),
+            ["job", n, "ktap", ms] => match (n.parse(), ms.parse()) {
+                (Ok(job), Ok(millis)) => L1Line::JobKtap { job, millis },
+                _ => L1Line::Other(line),
+            },
             ["job", n, "exit", code, ms] => match (n.parse(), code.parse(), ms.parse()) {
                 (Ok(job), Ok(code), Ok(millis)) => L1Line::JobExit { job, code, millis },
                 _ => L1Line::Other(line),
@@ -62,6 +68,7 @@ mod tests {
         assert_eq!(classify("@@1|    ok 1 kernel_release"), L1Line::JobOutput(1, "    ok 1 kernel_release"));
         assert_eq!(classify("@@gdrvm-l1 job 0 exit 1 15234"), L1Line::JobExit { job: 0, code: 1, millis: 15234 });
         assert_eq!(classify("@@gdrvm-l1 job 0 timeout"), L1Line::JobTimeout(0));
+        assert_eq!(classify("@@gdrvm-l1 job 3 ktap 9120"), L1Line::JobKtap { job: 3, millis: 9120 });
         assert_eq!(
             classify("@@gdrvm-l1 error no /dev/kvm: kvm_amd: ENODEV"),
             L1Line::Error("no /dev/kvm: kvm_amd: ENODEV")

@@ -12,4 +12,6 @@ mod runner;
 
 pub use artifacts::{gdrvm_dir, Artifacts, ArtifactsError, BootImage};
 pub use probe::{choose, RunnerChoice};
-pub use runner::{exit, HarnessError, Runner, RunnerKind, VmOutcome, VmResult, VmSpec, TAIL_LINES};
+pub use runner::{
+    exit, GdrvmStats, HarnessError, QemuMachine, Runner, RunnerKind, VmOutcome, VmResult, VmSpec, Vmm, TAIL_LINES,
+};

@@ -71,6 +71,7 @@ async fn probe(artifacts: &Artifacts) -> (bool, String) {
     let runner = Runner { kind: RunnerKind::Native, artifacts: artifacts.clone(), echo: false };
     let spec = VmSpec {
         name: "kvm-probe".into(),
+        vmm: crate::runner::Vmm::Gdrvm,
         image: artifacts.guest.clone(),
         cmdline: "console=ttyS0 quiet panic=-1 gdrvm.suites=".into(),
         cpus: 1,

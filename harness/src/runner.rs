@@ -3,7 +3,6 @@
 //! what happened into a [`VmResult`] with `git bisect run` exit codes.
 
 use std::collections::BTreeMap;
-use std::io::Cursor;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -11,6 +10,8 @@ use std::time::{Duration, Instant};
 use gdrvm_model::l1::{L1Job, L1Jobs, GDRVM_PATH, JOBS_PATH};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
+
+use gdrvm_images::{Initramfs, Source};
 
 use crate::artifacts::{Artifacts, BootImage};
 use crate::ktap::{self, KtapReport};
@@ -58,11 +59,46 @@ pub enum RunnerKind {
     Nested,
 }
 
+/// Which VMM boots a guest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Vmm {
+    /// gdrvm.
+    Gdrvm,
+    /// QEMU with KVM, the reference in benchmarks.
+    Qemu(QemuMachine),
+}
+
+/// QEMU machine types compared against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QemuMachine {
+    /// `-M pc` (i440FX, SeaBIOS).
+    Pc,
+    /// `-M microvm` (qboot, minimal devices).
+    Microvm,
+}
+
+/// Where QEMU is, on the host and inside L1.
+const QEMU_PATH: &str = "/usr/bin/qemu-system-x86_64";
+/// QEMU firmware a direct kernel boot can load (`-M pc` and `-M microvm`); Debian keeps
+/// SeaBIOS in its own directory, which its QEMU also searches.
+const QEMU_FIRMWARE: &[&str] = &[
+    "/usr/share/seabios/bios-256k.bin",
+    "/usr/share/seabios/bios.bin",
+    "/usr/share/qemu/bios-microvm.bin",
+    "/usr/share/qemu/qboot.rom",
+    "/usr/share/qemu/pvh.bin",
+    "/usr/share/qemu/linuxboot.bin",
+    "/usr/share/qemu/linuxboot_dma.bin",
+    "/usr/share/qemu/kvmvapic.bin",
+];
+
 /// One VM to run.
 #[derive(Debug, Clone)]
 pub struct VmSpec {
     /// Name for reports.
     pub name: String,
+    /// The VMM that boots it.
+    pub vmm: Vmm,
     /// What to boot.
     pub image: BootImage,
     /// Kernel command line.
@@ -76,6 +112,45 @@ pub struct VmSpec {
 }
 
 impl VmSpec {
+    /// The program and arguments that boot this VM; `gdrvm` is where gdrvm is.
+    fn command_line(&self, gdrvm: &Path, kernel: &Path, initrd: &Path, interactive: bool) -> (PathBuf, Vec<String>) {
+        match self.vmm {
+            Vmm::Gdrvm => {
+                let mut args = vec!["run".to_owned()];
+                args.extend(self.gdrvm_args(kernel, initrd));
+                args.push(if interactive { "--interactive" } else { "--stats" }.into());
+                (gdrvm.to_owned(), args)
+            }
+            Vmm::Qemu(machine) => (PathBuf::from(QEMU_PATH), self.qemu_args(machine, kernel, initrd)),
+        }
+    }
+
+    fn qemu_args(&self, machine: QemuMachine, kernel: &Path, initrd: &Path) -> Vec<String> {
+        let machine = match machine {
+            QemuMachine::Pc => "pc",
+            QemuMachine::Microvm => "microvm",
+        };
+        [
+            "-accel", "kvm", "-cpu", "host", "-M", machine, "-nodefaults", "-no-reboot", "-display", "none", "-vga", "none",
+            "-serial", "stdio",
+        ]
+        .into_iter()
+        .map(str::to_owned)
+        .chain([
+            "-smp".into(),
+            self.cpus.to_string(),
+            "-m".into(),
+            format!("{}M", self.memory_mib()),
+            "-kernel".into(),
+            kernel.display().to_string(),
+            "-initrd".into(),
+            initrd.display().to_string(),
+            "-append".into(),
+            self.cmdline.clone(),
+        ])
+        .collect()
+    }
+
     fn gdrvm_args(&self, kernel: &Path, initrd: &Path) -> Vec<String> {
         vec![
             "--kernel".into(),
@@ -135,13 +210,39 @@ pub struct VmResult {
     pub ktap: KtapReport,
     /// Wall time of the VM.
     pub elapsed: Duration,
+    /// From starting the VMM to the agent's first KTAP line.
+    pub time_to_ktap: Option<Duration>,
+    /// Figures gdrvm reported about itself (`--stats`).
+    pub stats: Option<GdrvmStats>,
 }
+
+/// What `gdrvm run --stats` reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+pub struct GdrvmStats {
+    /// Process start to the boot CPU's first KVM_RUN, in µs.
+    pub setup_us: Option<u64>,
+    /// Resident memory beyond guest RAM, in KiB.
+    pub rss_beyond_guest_kib: Option<u64>,
+}
+
+/// Prefix of gdrvm's stats line on stderr.
+const STATS_PREFIX: &str = "gdrvm-stats: ";
 
 impl VmResult {
     fn new(name: &str, outcome: VmOutcome, console: Vec<String>, elapsed: Duration) -> Self {
         let text = console.join("\n");
         let panicked = text.contains(PANIC_MARKER);
-        VmResult { name: name.to_owned(), outcome, panicked, ktap: ktap::parse(&text), console, elapsed }
+        let stats = console.iter().find_map(|l| l.strip_prefix(STATS_PREFIX)).and_then(|j| serde_json::from_str(j).ok());
+        VmResult {
+            name: name.to_owned(),
+            outcome,
+            panicked,
+            ktap: ktap::parse(&text),
+            console,
+            elapsed,
+            time_to_ktap: None,
+            stats,
+        }
     }
 
     /// `git bisect run` status: 0 all passed, 1 failed/panicked/hung, 125 could not test.
@@ -165,7 +266,7 @@ impl VmResult {
             VmOutcome::Exited(0) if self.ktap.complete() => None,
             VmOutcome::Exited(0) => Some("the guest exited without a complete KTAP report".into()),
             VmOutcome::Exited(1) if self.ktap.complete() => None,
-            VmOutcome::Exited(code) => Some(format!("gdrvm exited with status {code}{}", self.last_error())),
+            VmOutcome::Exited(code) => Some(format!("the VMM exited with status {code}{}", self.last_error())),
             VmOutcome::TimedOut => Some(format!("the guest hung: no exit within {:.0?}", self.elapsed)),
             VmOutcome::CannotRun(why) => Some(format!("could not run: {why}")),
         }
@@ -218,9 +319,9 @@ impl Runner {
     pub async fn run_interactive(&self, spec: &VmSpec) -> Result<i32, HarnessError> {
         let status = match self.kind {
             RunnerKind::Native => {
-                let mut cmd = Command::new(&self.artifacts.gdrvm);
-                cmd.arg("run").args(spec.gdrvm_args(&spec.image.kernel, &spec.image.initrd)).arg("--interactive");
-                spawn(&mut cmd, &self.artifacts.gdrvm)?.wait().await
+                let (program, args) =
+                    spec.command_line(&self.artifacts.gdrvm, &spec.image.kernel, &spec.image.initrd, true);
+                spawn(Command::new(&program).args(args), &program)?.wait().await
             }
             RunnerKind::Nested => {
                 let dir = tempfile::tempdir().map_err(|e| HarnessError::Prepare(e.to_string()))?;
@@ -234,13 +335,11 @@ impl Runner {
 
     async fn run_native(&self, spec: &VmSpec) -> Result<VmResult, HarnessError> {
         let started = Instant::now();
-        let mut cmd = Command::new(&self.artifacts.gdrvm);
-        cmd.arg("run")
-            .args(spec.gdrvm_args(&spec.image.kernel, &spec.image.initrd))
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        let mut child = spawn(&mut cmd, &self.artifacts.gdrvm)?;
+        let (program, args) = spec.command_line(&self.artifacts.gdrvm, &spec.image.kernel, &spec.image.initrd, false);
+        let mut cmd = Command::new(&program);
+        cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        let mut child = spawn(&mut cmd, &program)?;
+        let mut time_to_ktap = None;
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
         forward_lines(child.stdout.take(), tx.clone());
         forward_lines(child.stderr.take(), tx);
@@ -250,7 +349,12 @@ impl Runner {
         let outcome = loop {
             tokio::select! {
                 line = rx.recv() => match line {
-                    Some(line) => self.take_line(&mut console, line),
+                    Some(line) => {
+                        if line == "KTAP version 1" && time_to_ktap.is_none() {
+                            time_to_ktap = Some(started.elapsed());
+                        }
+                        self.take_line(&mut console, line);
+                    }
                     None => break exited(&mut child).await,
                 },
                 _ = &mut deadline => {
@@ -259,7 +363,9 @@ impl Runner {
                 }
             }
         };
-        Ok(VmResult::new(&spec.name, outcome, console, started.elapsed()))
+        let mut result = VmResult::new(&spec.name, outcome, console, started.elapsed());
+        result.time_to_ktap = time_to_ktap;
+        Ok(result)
     }
 
     fn take_line(&self, console: &mut Vec<String>, line: String) {
@@ -270,7 +376,8 @@ impl Runner {
     }
 
     /// Writes L1's initramfs for this run: the L1 image, then an archive with gdrvm, the
-    /// guests' files and the job list. Returns it and the L1 memory size in MiB.
+    /// guests' files, QEMU when a spec uses it, and the job list. Returns it and the L1
+    /// memory size in MiB.
     fn prepare_l1(&self, dir: &Path, specs: &[VmSpec], interactive: bool) -> Result<(PathBuf, u64), HarnessError> {
         let prep = |e: std::io::Error| HarnessError::Prepare(e.to_string());
         let mut files: BTreeMap<PathBuf, String> = BTreeMap::new();
@@ -284,29 +391,29 @@ impl Runner {
                 .iter()
                 .map(|s| {
                     let (k, i) = (guest_path(&s.image.kernel), guest_path(&s.image.initrd));
-                    L1Job { args: s.gdrvm_args(Path::new(&k), Path::new(&i)), timeout_secs: s.timeout.as_secs().max(1) }
+                    let (program, args) = s.command_line(Path::new(GDRVM_PATH), Path::new(&k), Path::new(&i), interactive);
+                    L1Job { program: program.display().to_string(), args, timeout_secs: s.timeout.as_secs().max(1) }
                 })
                 .collect(),
         };
-        let mut entries = vec![(
-            cpio::newc::Builder::new(JOBS_PATH.trim_start_matches('/')).mode(0o100644),
-            Cursor::new(serde_json::to_vec(&jobs).map_err(|e| HarnessError::Prepare(e.to_string()))?),
-        )];
-        let read = |p: &Path| std::fs::read(p).map_err(|e| HarnessError::Prepare(format!("{}: {e}", p.display())));
-        entries.push((
-            cpio::newc::Builder::new(GDRVM_PATH.trim_start_matches('/')).mode(0o100755),
-            Cursor::new(read(&self.artifacts.gdrvm)?),
-        ));
+        let mut run = Initramfs::new();
+        let jobs_json = serde_json::to_vec(&jobs).map_err(|e| HarnessError::Prepare(e.to_string()))?;
+        run.file(JOBS_PATH, Source::Bytes(jobs_json), 0o644);
+        run.file(GDRVM_PATH, Source::Host(self.artifacts.gdrvm.clone()), 0o755);
         for (host, guest) in &files {
-            entries.push((
-                cpio::newc::Builder::new(guest.trim_start_matches('/')).mode(0o100644),
-                Cursor::new(read(host)?),
-            ));
+            run.file(guest, Source::Host(host.clone()), 0o644);
         }
-        let dirs = ["l1", "l1/files"].map(|d| (cpio::newc::Builder::new(d).mode(0o040755), Cursor::new(Vec::new())));
-        let mut data = read(&self.artifacts.l1.initrd)?;
+        if specs.iter().any(|s| matches!(s.vmm, Vmm::Qemu(_))) {
+            for (path, mode) in qemu_files()? {
+                run.file(&path, Source::Host(PathBuf::from(&path)), mode);
+            }
+        }
+        let run_archive = dir.join("run.cpio");
+        run.write_to(&run_archive).map_err(prep)?;
+        let mut data = std::fs::read(&self.artifacts.l1.initrd)
+            .map_err(|e| HarnessError::Prepare(format!("{}: {e}", self.artifacts.l1.initrd.display())))?;
         data.resize(data.len().next_multiple_of(4), 0);
-        let data = cpio::write_cpio(dirs.into_iter().chain(entries), data).map_err(prep)?;
+        data.extend_from_slice(&std::fs::read(&run_archive).map_err(prep)?);
         let path = dir.join("l1-run.cpio");
         std::fs::write(&path, &data).map_err(prep)?;
         // L1 keeps the unpacked initramfs in RAM next to the largest guest.
@@ -349,6 +456,7 @@ impl Runner {
         tokio::pin!(deadline);
         let mut consoles: Vec<Vec<String>> = vec![Vec::new(); specs.len()];
         let mut outcomes: Vec<Option<(VmOutcome, Duration)>> = vec![None; specs.len()];
+        let mut time_to_ktap: Vec<Option<Duration>> = vec![None; specs.len()];
         let mut l1_lines: Vec<String> = Vec::new();
         let mut l1_error: Option<String> = None;
         let started = Instant::now();
@@ -360,6 +468,9 @@ impl Runner {
                         L1Line::JobOutput(i, text) if i < specs.len() => self.take_line(&mut consoles[i], text.to_owned()),
                         L1Line::JobExit { job, code, millis } if job < specs.len() => {
                             outcomes[job] = Some((VmOutcome::Exited(code), Duration::from_millis(millis)));
+                        }
+                        L1Line::JobKtap { job, millis } if job < specs.len() => {
+                            time_to_ktap[job] = Some(Duration::from_millis(millis));
                         }
                         L1Line::JobTimeout(job) if job < specs.len() => {
                             outcomes[job] = Some((VmOutcome::TimedOut, specs[job].timeout));
@@ -387,15 +498,40 @@ impl Runner {
             .iter()
             .zip(consoles)
             .zip(outcomes)
-            .map(|((spec, console), outcome)| {
+            .zip(time_to_ktap)
+            .map(|(((spec, console), outcome), ktap_at)| {
                 let (outcome, elapsed) = outcome.unwrap_or_else(|| {
                     let why = l1_error.clone().unwrap_or_else(|| "L1 stopped before the job finished".into());
                     (VmOutcome::CannotRun(format!("{why}; last L1 console lines:\n{l1_tail}")), started.elapsed())
                 });
-                VmResult::new(&spec.name, outcome, console, elapsed)
+                let mut result = VmResult::new(&spec.name, outcome, console, elapsed);
+                result.time_to_ktap = ktap_at;
+                result
             })
             .collect())
     }
+}
+
+/// QEMU and what it loads (shared libraries from `ldd`, firmware), to run it inside L1 at
+/// the same paths. Paths are returned with the mode to give them.
+fn qemu_files() -> Result<Vec<(String, u32)>, HarnessError> {
+    let out = std::process::Command::new("ldd").arg(QEMU_PATH).output().map_err(|e| HarnessError::Spawn {
+        program: "ldd".into(),
+        reason: e.to_string(),
+    })?;
+    if !out.status.success() {
+        return Err(HarnessError::Prepare(format!("ldd {QEMU_PATH} failed: is qemu-system-x86 installed?")));
+    }
+    let mut files = vec![(QEMU_PATH.to_owned(), 0o755)];
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        // "libz.so.1 => /lib/x86_64-linux-gnu/libz.so.1 (0x...)" or "/lib64/ld-linux-x86-64.so.2 (0x...)"
+        let path = line.split("=>").last().unwrap_or("").split_whitespace().next().unwrap_or("");
+        if path.starts_with('/') {
+            files.push((path.to_owned(), 0o755));
+        }
+    }
+    files.extend(QEMU_FIRMWARE.iter().filter(|f| Path::new(f).exists()).map(|f| (f.to_string(), 0o644)));
+    Ok(files)
 }
 
 /// L1's kernel command line. `GDRVM_LOG` from the host reaches gdrvm in L1 as init's

@@ -10,10 +10,12 @@ pub const GDRVM_PATH: &str = "/l1/gdrvm";
 /// Prefix of every marker line.
 pub const MARKER: &str = "@@gdrvm-l1 ";
 
-/// One VM for L1 to run with gdrvm.
+/// One VM for L1 to run.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct L1Job {
-    /// Arguments after `gdrvm run`.
+    /// The VMM to start, as a path inside L1 ([`GDRVM_PATH`], or QEMU for comparisons).
+    pub program: String,
+    /// Its arguments.
     pub args: Vec<String>,
     /// Seconds before L1 kills the job.
     pub timeout_secs: u64,

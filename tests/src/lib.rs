@@ -7,7 +7,7 @@
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use gdrvm_harness::{Artifacts, Runner, RunnerChoice, VmResult, VmSpec};
+use gdrvm_harness::{Artifacts, Runner, RunnerChoice, VmResult, VmSpec, Vmm};
 
 /// Names of the guests in the batch.
 pub mod guests {
@@ -22,6 +22,7 @@ pub mod guests {
 fn specs(a: &Artifacts) -> Vec<VmSpec> {
     let spec = |name: &str, cmdline: &str, cpus: u32, memory: &str| VmSpec {
         name: name.into(),
+        vmm: Vmm::Gdrvm,
         image: a.guest.clone(),
         cmdline: cmdline.into(),
         cpus,

@@ -1,5 +1,6 @@
 //! `cargo xtask`: gdrvm's developer commands.
 
+mod bench;
 mod build;
 mod host;
 
@@ -9,7 +10,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
-use gdrvm_harness::{exit, gdrvm_dir, junit, Artifacts, BootImage, Runner, RunnerChoice, RunnerKind, VmResult, VmSpec};
+use gdrvm_harness::{exit, gdrvm_dir, junit, Artifacts, BootImage, Runner, RunnerChoice, RunnerKind, VmResult, VmSpec, Vmm};
 
 #[derive(Parser)]
 #[command(name = "cargo xtask", about = "gdrvm developer commands")]
@@ -60,11 +61,30 @@ enum Cmd {
     },
     /// Build the static binaries and the guest and L1 images.
     Image,
+    /// Benchmarks (figures only; nothing is asserted).
+    Bench {
+        #[command(subcommand)]
+        what: BenchCmd,
+    },
     /// Run every test: dependency guard, unit tests and end-to-end boots.
     Test {
         /// Extra arguments for `cargo test`.
         #[arg(last = true)]
         cargo_args: Vec<String>,
+    },
+}
+
+#[derive(Subcommand)]
+enum BenchCmd {
+    /// Time to the agent's first KTAP line, gdrvm against QEMU (-M pc, -M microvm) on the
+    /// same kernel and initramfs; also gdrvm's setup time and RSS beyond guest RAM.
+    Boot {
+        /// Runs of each VMM (the median is reported).
+        #[arg(long, default_value_t = 5)]
+        rounds: usize,
+        /// Where VMs run.
+        #[arg(long, value_enum, default_value = "auto")]
+        runner: RunnerArg,
     },
 }
 
@@ -79,6 +99,7 @@ fn main() -> ExitCode {
         Cmd::Image => build::artifacts().map(|_| exit::PASS),
         Cmd::Boot { suites, shell, run } => boot(&suites, shell, &run),
         Cmd::Test { cargo_args } => test(&cargo_args),
+        Cmd::Bench { what: BenchCmd::Boot { rounds, runner: arg } } => bench_boot(rounds, arg),
     };
     match code {
         Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
@@ -110,6 +131,7 @@ async fn runner(artifacts: Artifacts, arg: RunnerArg, echo: bool) -> Result<Runn
 fn boot(suites: &[String], shell: bool, opts: &RunOpts) -> Result<i32> {
     let mut spec = VmSpec {
         name: "boot".into(),
+        vmm: Vmm::Gdrvm,
         image: BootImage { kernel: PathBuf::new(), initrd: PathBuf::new() },
         cmdline: if shell {
             "console=ttyS0 quiet panic=-1 gdrvm.shell".into()
@@ -136,6 +158,16 @@ fn boot(suites: &[String], shell: bool, opts: &RunOpts) -> Result<i32> {
         let results = runner.run(std::slice::from_ref(&spec)).await?;
         let result = results.first().context("the runner returned no result")?;
         report(result)
+    })
+}
+
+fn bench_boot(rounds: usize, arg: RunnerArg) -> Result<i32> {
+    let artifacts = build::artifacts()?;
+    host::require_commands(&[("qemu-system-x86_64", "qemu-system-x86")])?;
+    runtime()?.block_on(async {
+        let runner = runner(artifacts, arg, false).await?;
+        bench::boot(&runner, rounds).await?;
+        Ok(exit::PASS)
     })
 }
 

@@ -1,0 +1,101 @@
+//! `cargo xtask bench boot`: gdrvm against QEMU booting the same vmlinux and initramfs, in
+//! the same environment (inside the same L1 when nested), alternating, medians of N runs.
+//! It reports figures; it asserts nothing.
+
+use std::time::Duration;
+
+use anyhow::{bail, Result};
+use gdrvm_harness::{Artifacts, QemuMachine, Runner, VmResult, VmSpec, Vmm};
+
+/// The VMMs compared, in the order each round runs them.
+const CONTENDERS: [(&str, Vmm); 3] = [
+    ("gdrvm", Vmm::Gdrvm),
+    ("qemu -M pc", Vmm::Qemu(QemuMachine::Pc)),
+    ("qemu -M microvm", Vmm::Qemu(QemuMachine::Microvm)),
+];
+
+fn median(mut v: Vec<f64>) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let mid = v.len() / 2;
+    Some(if v.len() % 2 == 0 { (v[mid - 1] + v[mid]) / 2.0 } else { v[mid] })
+}
+
+fn specs(artifacts: &Artifacts, rounds: usize) -> Vec<VmSpec> {
+    (0..rounds)
+        .flat_map(|round| {
+            CONTENDERS.iter().map(move |(name, vmm)| VmSpec {
+                name: format!("{name} #{round}"),
+                vmm: *vmm,
+                image: artifacts.guest.clone(),
+                // The same kernel, initramfs and command line for every VMM; no suites, so
+                // the agent prints its KTAP header as soon as it starts.
+                cmdline: "console=ttyS0 quiet panic=-1 gdrvm.suites=".into(),
+                cpus: 2,
+                memory: "1G".into(),
+                timeout: Duration::from_secs(180),
+            })
+        })
+        .collect()
+}
+
+/// Runs the boot benchmark and prints its figures.
+pub async fn boot(runner: &Runner, rounds: usize) -> Result<()> {
+    if rounds < 1 {
+        bail!("--rounds must be at least 1");
+    }
+    println!("xtask: bench boot: {rounds} rounds of {} VMMs, alternating, {:?} runner", CONTENDERS.len(), runner.kind);
+    let results = runner.run(&specs(&runner.artifacts, rounds)).await?;
+    let secs = |r: &VmResult| r.time_to_ktap.map(|d| d.as_secs_f64());
+    let mut medians = Vec::new();
+    for (name, _) in CONTENDERS {
+        let mine: Vec<&VmResult> = results.iter().filter(|r| r.name.starts_with(&format!("{name} #"))).collect();
+        let times: Vec<f64> = mine.iter().filter_map(|r| secs(r)).collect();
+        for r in mine.iter().filter(|r| r.time_to_ktap.is_none()) {
+            println!("xtask: bench: {} gave no KTAP: {}", r.name, r.problem().unwrap_or_default());
+            for line in r.tail().iter().rev().take(5).rev() {
+                println!("  | {line}");
+            }
+        }
+        let m = median(times.clone());
+        println!(
+            "xtask: bench: {name:<16} time to first KTAP line: median {} over {} runs ({})",
+            m.map_or("n/a".into(), |m| format!("{m:.3} s")),
+            times.len(),
+            times.iter().map(|t| format!("{t:.2}")).collect::<Vec<_>>().join(", ")
+        );
+        medians.push((name, m));
+    }
+    let gdrvm = medians[0].1;
+    let best_qemu = medians[1..].iter().filter_map(|(n, m)| m.map(|m| (n, m))).min_by(|a, b| a.1.total_cmp(&b.1));
+    match (gdrvm, best_qemu) {
+        (Some(g), Some((qname, q))) => println!("xtask: bench: ratio gdrvm / best QEMU ({qname}) = {:.2} (target <= 0.5)", g / q),
+        _ => println!("xtask: bench: ratio n/a (a VMM produced no KTAP)"),
+    }
+    let gdrvm_runs = results.iter().filter(|r| r.name.starts_with("gdrvm #"));
+    let setup: Vec<f64> = gdrvm_runs.clone().filter_map(|r| r.stats?.setup_us).map(|us| us as f64 / 1000.0).collect();
+    let rss: Vec<f64> = gdrvm_runs.filter_map(|r| r.stats?.rss_beyond_guest_kib).map(|k| k as f64 / 1024.0).collect();
+    println!(
+        "xtask: bench: gdrvm setup (process start to first KVM_RUN): median {} (target < 10 ms)",
+        median(setup).map_or("n/a".into(), |m| format!("{m:.1} ms"))
+    );
+    println!(
+        "xtask: bench: gdrvm RSS beyond guest RAM: median {} (target < 16 MiB)",
+        median(rss).map_or("n/a".into(), |m| format!("{m:.1} MiB"))
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_median() {
+        assert_eq!(median(vec![]), None);
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), Some(2.0));
+        assert_eq!(median(vec![4.0, 1.0, 2.0, 3.0]), Some(2.5));
+    }
+}
