@@ -84,10 +84,11 @@ fn relay(job: usize, stream: impl Read + Send + 'static, started: Option<Instant
 fn run_relayed(i: usize, job: &L1Job) -> std::io::Result<Option<i32>> {
     let started = Instant::now();
     let mut child = command(job).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
-    let relays: Vec<_> = [child.stdout.take().map(|s| relay(i, s, Some(started))), child.stderr.take().map(|s| relay(i, s, None))]
-        .into_iter()
-        .flatten()
-        .collect();
+    let relays: Vec<_> =
+        [child.stdout.take().map(|s| relay(i, s, Some(started))), child.stderr.take().map(|s| relay(i, s, None))]
+            .into_iter()
+            .flatten()
+            .collect();
     let result = wait_with_deadline(&mut child, Duration::from_secs(job.timeout_secs));
     for r in relays {
         let _ = r.join();

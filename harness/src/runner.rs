@@ -131,8 +131,20 @@ impl VmSpec {
             QemuMachine::Microvm => "microvm",
         };
         [
-            "-accel", "kvm", "-cpu", "host", "-M", machine, "-nodefaults", "-no-reboot", "-display", "none", "-vga", "none",
-            "-serial", "stdio",
+            "-accel",
+            "kvm",
+            "-cpu",
+            "host",
+            "-M",
+            machine,
+            "-nodefaults",
+            "-no-reboot",
+            "-display",
+            "none",
+            "-vga",
+            "none",
+            "-serial",
+            "stdio",
         ]
         .into_iter()
         .map(str::to_owned)
@@ -232,7 +244,8 @@ impl VmResult {
     fn new(name: &str, outcome: VmOutcome, console: Vec<String>, elapsed: Duration) -> Self {
         let text = console.join("\n");
         let panicked = text.contains(PANIC_MARKER);
-        let stats = console.iter().find_map(|l| l.strip_prefix(STATS_PREFIX)).and_then(|j| serde_json::from_str(j).ok());
+        let stats =
+            console.iter().find_map(|l| l.strip_prefix(STATS_PREFIX)).and_then(|j| serde_json::from_str(j).ok());
         VmResult {
             name: name.to_owned(),
             outcome,
@@ -391,7 +404,8 @@ impl Runner {
                 .iter()
                 .map(|s| {
                     let (k, i) = (guest_path(&s.image.kernel), guest_path(&s.image.initrd));
-                    let (program, args) = s.command_line(Path::new(GDRVM_PATH), Path::new(&k), Path::new(&i), interactive);
+                    let (program, args) =
+                        s.command_line(Path::new(GDRVM_PATH), Path::new(&k), Path::new(&i), interactive);
                     L1Job { program: program.display().to_string(), args, timeout_secs: s.timeout.as_secs().max(1) }
                 })
                 .collect(),
@@ -515,10 +529,10 @@ impl Runner {
 /// QEMU and what it loads (shared libraries from `ldd`, firmware), to run it inside L1 at
 /// the same paths. Paths are returned with the mode to give them.
 fn qemu_files() -> Result<Vec<(String, u32)>, HarnessError> {
-    let out = std::process::Command::new("ldd").arg(QEMU_PATH).output().map_err(|e| HarnessError::Spawn {
-        program: "ldd".into(),
-        reason: e.to_string(),
-    })?;
+    let out = std::process::Command::new("ldd")
+        .arg(QEMU_PATH)
+        .output()
+        .map_err(|e| HarnessError::Spawn { program: "ldd".into(), reason: e.to_string() })?;
     if !out.status.success() {
         return Err(HarnessError::Prepare(format!("ldd {QEMU_PATH} failed: is qemu-system-x86 installed?")));
     }

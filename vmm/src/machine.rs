@@ -393,7 +393,7 @@ impl ConsoleInput {
     }
 
     fn stdin_events() -> Events {
-        Events::empty_raw(libc::STDIN_FILENO).with_set(EventSet::IN)
+        Events::with_data_raw(libc::STDIN_FILENO, 0, EventSet::IN)
     }
 
     /// Pushes pending bytes into the FIFO; true when everything went in.
@@ -401,16 +401,6 @@ impl ConsoleInput {
         let took = self.serial.lock().unwrap_or_else(|p| p.into_inner()).enqueue(&self.pending);
         self.pending.drain(..took);
         self.pending.is_empty()
-    }
-}
-
-trait EventsExt {
-    fn with_set(self, set: EventSet) -> Events;
-}
-
-impl EventsExt for Events {
-    fn with_set(self, set: EventSet) -> Events {
-        Events::with_data_raw(self.fd(), 0, set)
     }
 }
 

@@ -71,7 +71,9 @@ pub async fn boot(runner: &Runner, rounds: usize) -> Result<()> {
     let gdrvm = medians[0].1;
     let best_qemu = medians[1..].iter().filter_map(|(n, m)| m.map(|m| (n, m))).min_by(|a, b| a.1.total_cmp(&b.1));
     match (gdrvm, best_qemu) {
-        (Some(g), Some((qname, q))) => println!("xtask: bench: ratio gdrvm / best QEMU ({qname}) = {:.2} (target <= 0.5)", g / q),
+        (Some(g), Some((qname, q))) => {
+            println!("xtask: bench: ratio gdrvm / best QEMU ({qname}) = {:.2} (target <= 0.5)", g / q)
+        }
         _ => println!("xtask: bench: ratio n/a (a VMM produced no KTAP)"),
     }
     let gdrvm_runs = results.iter().filter(|r| r.name.starts_with("gdrvm #"));

@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
-use gdrvm_harness::{exit, gdrvm_dir, junit, Artifacts, BootImage, Runner, RunnerChoice, RunnerKind, VmResult, VmSpec, Vmm};
+use gdrvm_harness::{
+    exit, gdrvm_dir, junit, Artifacts, BootImage, Runner, RunnerChoice, RunnerKind, VmResult, VmSpec, Vmm,
+};
 
 #[derive(Parser)]
 #[command(name = "cargo xtask", about = "gdrvm developer commands")]
@@ -110,8 +112,24 @@ fn main() -> ExitCode {
     }
 }
 
-fn runtime() -> Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")
+/// Runs `work` on a tokio runtime; Ctrl-C or SIGTERM drops it, which kills the VMMs it
+/// started (their handles kill on drop) and removes its temporary files.
+fn run_interruptible(work: impl std::future::Future<Output = Result<i32>>) -> Result<i32> {
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")?;
+    rt.block_on(async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            result = work => result,
+            _ = tokio::signal::ctrl_c() => {
+                eprintln!("xtask: interrupted; VMs stopped");
+                Ok(130)
+            }
+            _ = term.recv() => {
+                eprintln!("xtask: terminated; VMs stopped");
+                Ok(143)
+            }
+        }
+    })
 }
 
 async fn runner(artifacts: Artifacts, arg: RunnerArg, echo: bool) -> Result<Runner> {
@@ -148,8 +166,7 @@ fn boot(suites: &[String], shell: bool, opts: &RunOpts) -> Result<i32> {
     }
     let artifacts = build::artifacts()?;
     spec.image = artifacts.guest.clone();
-    let rt = runtime()?;
-    rt.block_on(async {
+    run_interruptible(async {
         let runner = runner(artifacts, opts.runner, true).await?;
         if shell {
             println!("xtask: shell on the guest console; Ctrl-A x quits");
@@ -164,7 +181,7 @@ fn boot(suites: &[String], shell: bool, opts: &RunOpts) -> Result<i32> {
 fn bench_boot(rounds: usize, arg: RunnerArg) -> Result<i32> {
     let artifacts = build::artifacts()?;
     host::require_commands(&[("qemu-system-x86_64", "qemu-system-x86")])?;
-    runtime()?.block_on(async {
+    run_interruptible(async {
         let runner = runner(artifacts, arg, false).await?;
         bench::boot(&runner, rounds).await?;
         Ok(exit::PASS)
