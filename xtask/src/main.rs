@@ -230,18 +230,27 @@ fn report(result: &VmResult) -> Result<i32> {
     Ok(code)
 }
 
+/// rust-vmm crates whose types cross crate boundaries: two versions of one do not mix.
+const SINGLE_VERSION_CRATES: [&str; 4] = ["vm-memory ", "vfio-bindings ", "kvm-bindings ", "vmm-sys-util "];
+
+/// The rust-vmm crates among the duplicated packages `cargo tree -d --depth 0` lists.
+fn duplicated_rust_vmm(tree: &str) -> Vec<&str> {
+    tree.lines().filter(|l| SINGLE_VERSION_CRATES.iter().any(|c| l.starts_with(c))).collect()
+}
+
 /// Dependency guard: types from two versions of a rust-vmm crate do not mix.
 fn single_rust_vmm_versions() -> Result<()> {
+    // --depth 0: only the duplicated packages, not the crates that depend on them.
     let out = std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
         .current_dir(build::workspace())
-        .args(["tree", "--workspace", "-d", "-e", "normal", "--prefix", "none"])
+        .args(["tree", "--workspace", "-d", "-e", "normal", "--depth", "0", "--prefix", "none"])
         .output()
         .context("running cargo tree")?;
+    if !out.status.success() {
+        anyhow::bail!("cargo tree failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+    }
     let text = String::from_utf8_lossy(&out.stdout);
-    let dups: Vec<&str> = text
-        .lines()
-        .filter(|l| ["vm-memory ", "vfio-bindings ", "kvm-bindings ", "vmm-sys-util "].iter().any(|c| l.starts_with(c)))
-        .collect();
+    let dups = duplicated_rust_vmm(&text);
     if !dups.is_empty() {
         anyhow::bail!(
             "duplicate rust-vmm crates in the dependency tree (their types will not match): {}",
@@ -263,4 +272,16 @@ fn test(cargo_args: &[String]) -> Result<i32> {
         .status()
         .context("running cargo test")?;
     Ok(status.code().unwrap_or(exit::FAIL))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_guard_reads_only_duplicated_packages() {
+        let tree = "bitflags v1.3.2\nbitflags v2.13.2\n\nvm-memory v0.17.1\nvm-memory v0.18.0\n";
+        assert_eq!(duplicated_rust_vmm(tree), ["vm-memory v0.17.1", "vm-memory v0.18.0"]);
+        assert!(duplicated_rust_vmm("syn v2.0.119\nsyn v3.0.10\n").is_empty());
+    }
 }
