@@ -5,6 +5,7 @@
 //! the agent never links the VMM (dependency arrows: agent ← model → vmm).
 
 pub mod l1;
+pub mod node;
 
 use serde::{Deserialize, Serialize};
 

@@ -31,6 +31,20 @@ enum Command {
     /// without one), 1 if it reset without reporting, 125 if the VM could not run, 2 for
     /// bad arguments, 130 if interrupted.
     Run(RunArgs),
+    /// Inspect a node description (a preset name or a TOML file).
+    Topology {
+        #[command(subcommand)]
+        command: TopologyCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum TopologyCommand {
+    /// Print the node's NUMA nodes, host bridges and PCIe tree. Exits 2 for a bad node file.
+    Show {
+        /// A preset (minimal, flat, vela-a100) or a node file.
+        node: String,
+    },
 }
 
 #[derive(clap::Args)]
@@ -71,6 +85,18 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Run(args) => run(args, started),
+        Command::Topology { command: TopologyCommand::Show { node } } => {
+            match gdrvm_model::node::Node::resolve(&node) {
+                Ok(node) => {
+                    print!("{}", node.render_tree());
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("gdrvm: error: {e}");
+                    ExitCode::from(EXIT_USAGE)
+                }
+            }
+        }
     }
 }
 

@@ -1,0 +1,323 @@
+//! The node description: NUMA nodes, host bridges, root ports, switches and endpoints of a
+//! GPU training node, read from TOML ([`schema`]) and checked into a [`Node`] whose every
+//! function has its bus/device/function and place in the tree. Errors name the file, the
+//! key and the reason.
+
+mod build;
+mod schema;
+mod tree;
+
+use std::fmt;
+use std::path::Path;
+
+pub use build::NodeError;
+
+/// A preset: name, TOML text.
+const PRESETS: &[(&str, &str)] = &[
+    ("minimal", include_str!("../../presets/minimal.toml")),
+    ("flat", include_str!("../../presets/flat.toml")),
+    ("vela-a100", include_str!("../../presets/vela-a100.toml")),
+];
+
+/// Names of the shipped presets.
+pub fn preset_names() -> Vec<&'static str> {
+    PRESETS.iter().map(|(n, _)| *n).collect()
+}
+
+/// A PCIe link generation's rate per lane.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum LinkSpeed {
+    /// Gen1, 2.5 GT/s.
+    Gt2_5,
+    /// Gen2, 5 GT/s.
+    Gt5,
+    /// Gen3, 8 GT/s.
+    Gt8,
+    /// Gen4, 16 GT/s.
+    Gt16,
+    /// Gen5, 32 GT/s.
+    Gt32,
+    /// Gen6, 64 GT/s.
+    Gt64,
+}
+
+impl LinkSpeed {
+    /// All speeds, slowest first.
+    pub const ALL: [LinkSpeed; 6] =
+        [LinkSpeed::Gt2_5, LinkSpeed::Gt5, LinkSpeed::Gt8, LinkSpeed::Gt16, LinkSpeed::Gt32, LinkSpeed::Gt64];
+
+    /// How Linux's sysfs writes it (`max_link_speed`), e.g. `16.0 GT/s PCIe`.
+    pub fn sysfs(self) -> &'static str {
+        match self {
+            LinkSpeed::Gt2_5 => "2.5 GT/s PCIe",
+            LinkSpeed::Gt5 => "5.0 GT/s PCIe",
+            LinkSpeed::Gt8 => "8.0 GT/s PCIe",
+            LinkSpeed::Gt16 => "16.0 GT/s PCIe",
+            LinkSpeed::Gt32 => "32.0 GT/s PCIe",
+            LinkSpeed::Gt64 => "64.0 GT/s PCIe",
+        }
+    }
+
+    /// The Link Capabilities "Max Link Speed" encoding (1 = 2.5 GT/s ... 6 = 64 GT/s).
+    pub fn encoding(self) -> u8 {
+        self as u8 + 1
+    }
+
+    fn parse(s: &str) -> Option<LinkSpeed> {
+        Some(match s {
+            "2.5GT/s" => LinkSpeed::Gt2_5,
+            "5GT/s" => LinkSpeed::Gt5,
+            "8GT/s" => LinkSpeed::Gt8,
+            "16GT/s" => LinkSpeed::Gt16,
+            "32GT/s" => LinkSpeed::Gt32,
+            "64GT/s" => LinkSpeed::Gt64,
+            _ => return None,
+        })
+    }
+}
+
+/// Widths a PCIe link can have.
+pub const LINK_WIDTHS: [u8; 7] = [1, 2, 4, 8, 12, 16, 32];
+
+/// A link's speed and width.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Link {
+    /// Rate per lane.
+    pub speed: LinkSpeed,
+    /// Lanes.
+    pub width: u8,
+}
+
+impl Link {
+    /// Parses `16GT/s x16`.
+    pub fn parse(s: &str) -> Result<Link, String> {
+        let (speed, width) =
+            s.split_once(" x").ok_or_else(|| format!("'{s}' is not a link: write it like \"16GT/s x16\""))?;
+        let speed = LinkSpeed::parse(speed.trim())
+            .ok_or_else(|| format!("'{speed}' is not a PCIe speed (2.5GT/s, 5GT/s, 8GT/s, 16GT/s, 32GT/s, 64GT/s)"))?;
+        let width: u8 = width.trim().parse().map_err(|_| format!("'x{width}' is not a link width"))?;
+        if !LINK_WIDTHS.contains(&width) {
+            return Err(format!("x{width} is not a PCIe link width (x1, x2, x4, x8, x12, x16, x32)"));
+        }
+        Ok(Link { speed, width })
+    }
+}
+
+impl fmt::Display for Link {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        write!(f, "{} x{}", self.speed.sysfs().trim_end_matches(" PCIe"), self.width)
+    }
+}
+
+/// Bus, device, function in PCI segment 0.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Bdf {
+    /// Bus number.
+    pub bus: u8,
+    /// Device (slot) number, 0 to 31.
+    pub device: u8,
+    /// Function number, 0 to 7.
+    pub function: u8,
+}
+
+impl fmt::Display for Bdf {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        write!(f, "0000:{:02x}:{:02x}.{}", self.bus, self.device, self.function)
+    }
+}
+
+/// What an endpoint is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EndpointKind {
+    /// A GPU.
+    Gpu,
+    /// A network adapter (a RoCE NIC or one of its VFs).
+    Nic,
+    /// An NVSwitch.
+    NvSwitch,
+    /// Anything else; its class code must be given.
+    Generic,
+}
+
+/// What a PCI function is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FunctionKind {
+    /// A root port of a host bridge.
+    RootPort,
+    /// A switch's upstream port.
+    SwitchUpstream,
+    /// A switch's downstream port.
+    SwitchDownstream,
+    /// An endpoint.
+    Endpoint(EndpointKind),
+}
+
+impl FunctionKind {
+    /// True for the type-1 (bridge) functions.
+    pub fn is_bridge(self) -> bool {
+        !matches!(self, FunctionKind::Endpoint(_))
+    }
+}
+
+/// A memory BAR.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bar {
+    /// BAR register index (0-5); a 64-bit BAR also uses the next one.
+    pub index: u8,
+    /// Size in bytes (a power of two).
+    pub size: u64,
+    /// Prefetchable.
+    pub prefetchable: bool,
+    /// 64-bit.
+    pub is_64bit: bool,
+}
+
+/// A NUMA node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NumaNode {
+    /// Proximity domain.
+    pub id: u32,
+    /// vCPUs on it.
+    pub cpus: u32,
+    /// RAM on it, in bytes.
+    pub memory: u64,
+    /// Distance to each NUMA node (SLIT row).
+    pub distances: Vec<u8>,
+}
+
+/// A PCIe host bridge (root complex) and the buses below it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostBridge {
+    /// Name from the node file.
+    pub name: String,
+    /// NUMA node (`_PXM`).
+    pub numa: u32,
+    /// Its root bus (`_BBN`).
+    pub first_bus: u8,
+    /// The highest bus number below it.
+    pub last_bus: u8,
+}
+
+/// A PCI function in the tree.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Function {
+    /// Name from the node file (switch ports get `<switch>.up` and `<switch>.down<n>`).
+    pub name: String,
+    /// What it is.
+    pub kind: FunctionKind,
+    /// Where it is.
+    pub bdf: Bdf,
+    /// Index of its host bridge in [`Node::host_bridges`].
+    pub host_bridge: usize,
+    /// Index of the bridge function above it in [`Node::functions`]; `None` on a root bus.
+    pub parent: Option<usize>,
+    /// Vendor ID.
+    pub vendor: u16,
+    /// Device ID.
+    pub device: u16,
+    /// Class code (base, sub, programming interface).
+    pub class: u32,
+    /// Subsystem vendor and device.
+    pub subsystem: Option<(u16, u16)>,
+    /// Link capability.
+    pub link: Link,
+    /// ACS capability (ports).
+    pub acs: bool,
+    /// ATS capability (endpoints).
+    pub ats: bool,
+    /// An SR-IOV virtual function.
+    pub virtual_function: bool,
+    /// Memory BARs.
+    pub bars: Vec<Bar>,
+    /// For bridges: secondary and subordinate bus.
+    pub buses: Option<(u8, u8)>,
+}
+
+/// A checked node: every function placed, every bus numbered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Node {
+    /// Name.
+    pub name: String,
+    /// What it models.
+    pub description: String,
+    /// NUMA nodes, by id.
+    pub numa: Vec<NumaNode>,
+    /// Host bridges, in file order.
+    pub host_bridges: Vec<HostBridge>,
+    /// Every PCI function, parents before children.
+    pub functions: Vec<Function>,
+}
+
+impl Node {
+    /// Reads and checks a node file.
+    pub fn load(path: &Path) -> Result<Node, NodeError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| NodeError::new(&path.display().to_string(), "", e.to_string()))?;
+        Node::parse(&path.display().to_string(), &text)
+    }
+
+    /// A shipped preset by name.
+    pub fn preset(name: &str) -> Option<Result<Node, NodeError>> {
+        PRESETS.iter().find(|(n, _)| *n == name).map(|(n, text)| Node::parse(&format!("preset {n}"), text))
+    }
+
+    /// A preset name, or else a path to a node file.
+    pub fn resolve(arg: &str) -> Result<Node, NodeError> {
+        match Node::preset(arg) {
+            Some(node) if !Path::new(arg).exists() => node,
+            _ if !Path::new(arg).exists() => Err(NodeError::new(
+                arg,
+                "",
+                format!("no such node file, and not a preset ({})", preset_names().join(", ")),
+            )),
+            _ => Node::load(Path::new(arg)),
+        }
+    }
+
+    /// Checks node-file text; `origin` names it in errors.
+    pub fn parse(origin: &str, text: &str) -> Result<Node, NodeError> {
+        build::build(origin, text)
+    }
+
+    /// Total vCPUs.
+    pub fn cpus(&self) -> u32 {
+        self.numa.iter().map(|n| n.cpus).sum()
+    }
+
+    /// Total RAM in bytes.
+    pub fn memory(&self) -> u64 {
+        self.numa.iter().map(|n| n.memory).sum()
+    }
+
+    /// The same PCIe layout with `cpus` vCPUs and `memory` bytes spread evenly over the NUMA
+    /// nodes (what fits a developer's machine or CI).
+    pub fn scaled(&self, cpus: Option<u32>, memory: Option<u64>) -> Result<Node, NodeError> {
+        let n = self.numa.len() as u32;
+        let mut node = self.clone();
+        if let Some(cpus) = cpus {
+            if cpus < n {
+                return Err(NodeError::new(&self.name, "cpus", format!("{cpus} vCPUs cannot cover {n} NUMA nodes")));
+            }
+            for (i, numa) in node.numa.iter_mut().enumerate() {
+                numa.cpus = cpus / n + u32::from((i as u32) < cpus % n);
+            }
+        }
+        if let Some(memory) = memory {
+            let each = (memory / u64::from(n)) & !((2 << 20) - 1);
+            if each < crate::MIN_GUEST_MEMORY / 2 {
+                return Err(NodeError::new(
+                    &self.name,
+                    "memory",
+                    format!("{memory} bytes is too little for {n} NUMA nodes"),
+                ));
+            }
+            for numa in &mut node.numa {
+                numa.memory = each;
+            }
+        }
+        Ok(node)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,121 @@
+//! The node description as written in TOML. [`super::Node`] is what it becomes once checked.
+
+use serde::Deserialize;
+
+/// A whole node file.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeFile {
+    pub name: String,
+    #[serde(default)]
+    pub description: String,
+    #[serde(default)]
+    pub numa: Vec<NumaEntry>,
+    #[serde(default)]
+    pub host_bridge: Vec<HostBridgeEntry>,
+    #[serde(default)]
+    pub root_port: Vec<RootPortEntry>,
+    #[serde(default)]
+    pub switch: Vec<SwitchEntry>,
+    #[serde(default)]
+    pub endpoint: Vec<EndpointEntry>,
+}
+
+/// `[[numa]]`: one NUMA node; its index is its id.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NumaEntry {
+    pub cpus: u32,
+    pub memory: String,
+    /// SLIT row: distance to every NUMA node, this one included (10 to itself).
+    pub distances: Option<Vec<u8>>,
+}
+
+/// `[[host_bridge]]`: a PCIe root complex (PNP0A08) on one NUMA node.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HostBridgeEntry {
+    pub name: String,
+    pub numa: u32,
+    /// First bus number; allocated after the previous bridge's buses when absent.
+    pub bus: Option<u8>,
+}
+
+/// `[[root_port]]`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RootPortEntry {
+    pub name: String,
+    pub host_bridge: String,
+    pub slot: Option<u8>,
+    pub link: String,
+    #[serde(default = "yes")]
+    pub acs: bool,
+}
+
+/// `[[switch]]`: an upstream port and `ports` downstream ports, below a root port or a
+/// downstream port of another switch.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SwitchEntry {
+    pub name: String,
+    pub parent: String,
+    pub ports: u8,
+    pub link: String,
+    #[serde(default)]
+    pub vendor: Option<u16>,
+    #[serde(default)]
+    pub device: Option<u16>,
+    #[serde(default = "yes")]
+    pub acs: bool,
+}
+
+/// `[[endpoint]]`: a PCIe function.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EndpointEntry {
+    pub name: String,
+    pub kind: String,
+    /// A host bridge (the endpoint sits on its root bus), a root port, or a switch (it gets
+    /// the switch's next free downstream port).
+    pub parent: String,
+    pub slot: Option<u8>,
+    pub vendor: u16,
+    pub device: u16,
+    pub class: Option<u32>,
+    pub subsystem: Option<[u16; 2]>,
+    pub link: String,
+    #[serde(default)]
+    pub bars: Vec<BarEntry>,
+    #[serde(default)]
+    pub ats: bool,
+    /// An SR-IOV virtual function (as a VF passed through to the guest appears).
+    #[serde(default)]
+    pub virtual_function: bool,
+    #[serde(default = "emulated")]
+    pub backing: String,
+}
+
+/// One memory BAR.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BarEntry {
+    pub size: String,
+    #[serde(default)]
+    pub prefetchable: bool,
+    /// 32 or 64 (default 64).
+    #[serde(default = "sixty_four")]
+    pub bits: u8,
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn emulated() -> String {
+    "emulated".into()
+}
+
+fn sixty_four() -> u8 {
+    64
+}

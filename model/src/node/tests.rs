@@ -1,0 +1,154 @@
+use super::*;
+
+fn preset(name: &str) -> Node {
+    Node::preset(name).expect("preset exists").expect("preset is valid")
+}
+
+fn by_name<'a>(node: &'a Node, name: &str) -> &'a Function {
+    node.functions.iter().find(|f| f.name == name).unwrap_or_else(|| panic!("no function {name}"))
+}
+
+/// The chain of bridges from a function up to its root bus.
+fn ancestors(node: &Node, name: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut f = by_name(node, name);
+    while let Some(p) = f.parent {
+        f = &node.functions[p];
+        out.push(f.name.clone());
+    }
+    out
+}
+
+#[test]
+fn test_minimal_tree() {
+    let node = preset("minimal");
+    let names: Vec<(&str, String)> = node.functions.iter().map(|f| (f.name.as_str(), f.bdf.to_string())).collect();
+    assert_eq!(
+        names,
+        [
+            ("rp0", "0000:00:00.0".into()),
+            ("sw0.up", "0000:01:00.0".into()),
+            ("sw0.down0", "0000:02:00.0".into()),
+            ("gpu0", "0000:03:00.0".into()),
+            ("sw0.down1", "0000:02:01.0".into()),
+            ("nic0", "0000:04:00.0".into()),
+        ]
+    );
+    assert_eq!(by_name(&node, "rp0").buses, Some((1, 4)));
+    assert_eq!(by_name(&node, "sw0.up").buses, Some((2, 4)));
+    assert_eq!(node.host_bridges[0].last_bus, 4);
+    let gpu = by_name(&node, "gpu0");
+    assert_eq!(gpu.link, Link { speed: LinkSpeed::Gt16, width: 16 });
+    assert_eq!(gpu.bars[1], Bar { index: 1, size: 128 << 30, prefetchable: true, is_64bit: true });
+    assert_eq!(gpu.bars[2].index, 3);
+    assert_eq!(gpu.bars[0], Bar { index: 0, size: 16 << 20, prefetchable: false, is_64bit: false });
+    assert_eq!(ancestors(&node, "nic0"), ["sw0.down1", "sw0.up", "rp0"]);
+    assert!(by_name(&node, "nic0").virtual_function);
+}
+
+#[test]
+fn test_vela_gpus_nics_and_numa() {
+    let node = preset("vela-a100");
+    let gpus: Vec<&Function> =
+        node.functions.iter().filter(|f| f.kind == FunctionKind::Endpoint(EndpointKind::Gpu)).collect();
+    assert_eq!(gpus.len(), 8);
+    let numa_of = |f: &Function| node.host_bridges[f.host_bridge].numa;
+    assert_eq!(gpus.iter().map(|g| numa_of(g)).collect::<Vec<_>>(), [0, 0, 0, 0, 1, 1, 1, 1]);
+    // Each NIC VF shares a switch with two GPUs.
+    assert_eq!(ancestors(&node, "nic0")[1], "sw0.up");
+    assert_eq!(ancestors(&node, "gpu1")[1], "sw0.up");
+    assert_eq!(ancestors(&node, "nic1")[1], "sw2.up");
+    assert_eq!(node.host_bridges.len(), 5);
+    assert_eq!(node.cpus(), 80);
+    // Host bridges own disjoint, increasing bus ranges.
+    assert!(node.host_bridges.windows(2).all(|w| w[0].last_bus < w[1].first_bus));
+    let nvswitches = node.functions.iter().filter(|f| f.kind == FunctionKind::Endpoint(EndpointKind::NvSwitch)).count();
+    assert_eq!(nvswitches, 6);
+}
+
+#[test]
+fn test_flat_puts_everything_on_one_root_bus() {
+    let node = preset("flat");
+    assert_eq!(node.host_bridges.len(), 1);
+    assert!(node.functions.iter().all(|f| f.parent.is_none() && f.bdf.bus == 0));
+    assert_eq!(node.functions.len(), 16);
+}
+
+#[test]
+fn test_scaling_keeps_the_pcie_layout() {
+    let node = preset("vela-a100");
+    let small = node.scaled(Some(3), Some(2 << 30)).unwrap();
+    assert_eq!(small.functions, node.functions);
+    assert_eq!(small.numa.iter().map(|n| n.cpus).collect::<Vec<_>>(), [2, 1]);
+    assert_eq!(small.memory(), 2 << 30);
+    assert!(node.scaled(Some(1), None).unwrap_err().to_string().contains("cannot cover 2 NUMA nodes"));
+}
+
+#[test]
+fn test_tree_snapshots() {
+    insta::assert_snapshot!("minimal", preset("minimal").render_tree());
+    insta::assert_snapshot!("vela_a100", preset("vela-a100").render_tree());
+}
+
+fn minimal_with(from: &str, to: &str) -> String {
+    let text = include_str!("../../presets/minimal.toml");
+    assert!(text.contains(from), "{from}");
+    text.replacen(from, to, 1)
+}
+
+fn error(text: &str) -> String {
+    Node::parse("bad.toml", text).unwrap_err().to_string()
+}
+
+#[test]
+fn test_bad_files_name_file_key_and_reason() {
+    assert_eq!(
+        error(&minimal_with("link = \"16GT/s x16\"\nats", "link = \"16GT/s x3\"\nats")),
+        "bad.toml: key endpoint[0] (gpu0).link: x3 is not a PCIe link width (x1, x2, x4, x8, x12, x16, x32)"
+    );
+    assert_eq!(
+        error(&minimal_with("numa = 0", "numa = 2")),
+        "bad.toml: key host_bridge[0] (pxb0).numa: NUMA node 2 does not exist (the file has 1: 0 to 0)"
+    );
+    let syntax = error(&minimal_with("ports = 2", "ports = = 2"));
+    assert!(syntax.starts_with("bad.toml: TOML: ") && syntax.contains("line"), "{syntax}");
+    assert_eq!(
+        error(&minimal_with("name = \"nic0\"", "name = \"gpu0\"")),
+        "bad.toml: key endpoint[1].name: name 'gpu0' is already used by endpoint[0].name"
+    );
+    assert!(error(&minimal_with("parent = \"sw0\"", "parent = \"sw9\""))
+        .contains("'sw9' is not a host bridge, root port or switch"));
+    assert!(error(&minimal_with("{ size = \"32M\", prefetchable = true }", "{ size = \"3M\" }"))
+        .contains("bars[2].size: 3M is not a power of two"));
+    assert!(
+        error(&minimal_with("ports = 2", "ports = 1")).contains("switch 'sw0' has only 1 downstream ports, all taken")
+    );
+}
+
+#[test]
+fn test_duplicate_bdf() {
+    let text = "name = \"dup\"\n[[numa]]\ncpus = 1\nmemory = \"1G\"\n[[host_bridge]]\nname = \"hb\"\nnuma = 0\n\
+        [[root_port]]\nname = \"a\"\nhost_bridge = \"hb\"\nslot = 3\nlink = \"8GT/s x4\"\n\
+        [[root_port]]\nname = \"b\"\nhost_bridge = \"hb\"\nslot = 3\nlink = \"8GT/s x4\"\n";
+    assert_eq!(error(text), "bad.toml: key root_port[1] (b).slot: 0000:00:03.0 is already taken by 'a'");
+}
+
+#[test]
+fn test_more_than_256_buses() {
+    let mut text =
+        String::from("name = \"big\"\n[[numa]]\ncpus = 1\nmemory = \"1G\"\n[[host_bridge]]\nname = \"hb\"\nnuma = 0\n");
+    // 30 root ports, each with a 8-port switch: 30 * (1 + 1 + 8) = 300 buses.
+    for i in 0..30 {
+        text += &format!("[[root_port]]\nname = \"rp{i}\"\nhost_bridge = \"hb\"\nlink = \"16GT/s x16\"\n");
+        text += &format!("[[switch]]\nname = \"sw{i}\"\nparent = \"rp{i}\"\nports = 8\nlink = \"16GT/s x16\"\n");
+    }
+    let e = error(&text);
+    assert!(e.contains("more than 256 buses"), "{e}");
+}
+
+#[test]
+fn test_resolve_names_presets_when_nothing_matches() {
+    assert_eq!(Node::resolve("minimal").unwrap().name, "minimal");
+    let e = Node::resolve("/no/such/node.toml").unwrap_err().to_string();
+    assert_eq!(e, "/no/such/node.toml: no such node file, and not a preset (minimal, flat, vela-a100)");
+}
