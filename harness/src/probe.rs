@@ -73,6 +73,7 @@ async fn probe(artifacts: &Artifacts) -> (bool, String) {
         name: "kvm-probe".into(),
         vmm: crate::runner::Vmm::Gdrvm,
         image: artifacts.guest.clone(),
+        node: None,
         cmdline: "console=ttyS0 quiet panic=-1 gdrvm.suites=".into(),
         cpus: 1,
         memory: "256M".into(),

@@ -101,6 +101,8 @@ pub struct VmSpec {
     pub vmm: Vmm,
     /// What to boot.
     pub image: BootImage,
+    /// Node description for gdrvm's `--node`: a preset name or a node file.
+    pub node: Option<String>,
     /// Kernel command line.
     pub cmdline: String,
     /// vCPUs.
@@ -113,11 +115,21 @@ pub struct VmSpec {
 
 impl VmSpec {
     /// The program and arguments that boot this VM; `gdrvm` is where gdrvm is.
-    fn command_line(&self, gdrvm: &Path, kernel: &Path, initrd: &Path, interactive: bool) -> (PathBuf, Vec<String>) {
+    /// `node` is where the node description is for the VMM (a preset name, or the file's
+    /// path as the VMM sees it).
+    fn command_line(
+        &self,
+        gdrvm: &Path,
+        (kernel, initrd, node): (&Path, &Path, Option<&str>),
+        interactive: bool,
+    ) -> (PathBuf, Vec<String>) {
         match self.vmm {
             Vmm::Gdrvm => {
                 let mut args = vec!["run".to_owned()];
                 args.extend(self.gdrvm_args(kernel, initrd));
+                if let Some(node) = node {
+                    args.extend(["--node".to_owned(), node.to_owned()]);
+                }
                 args.push(if interactive { "--interactive" } else { "--stats" }.into());
                 (gdrvm.to_owned(), args)
             }
@@ -332,8 +344,8 @@ impl Runner {
     pub async fn run_interactive(&self, spec: &VmSpec) -> Result<i32, HarnessError> {
         let status = match self.kind {
             RunnerKind::Native => {
-                let (program, args) =
-                    spec.command_line(&self.artifacts.gdrvm, &spec.image.kernel, &spec.image.initrd, true);
+                let files = (spec.image.kernel.as_path(), spec.image.initrd.as_path(), spec.node.as_deref());
+                let (program, args) = spec.command_line(&self.artifacts.gdrvm, files, true);
                 spawn(Command::new(&program).args(args), &program)?.wait().await
             }
             RunnerKind::Nested => {
@@ -348,7 +360,8 @@ impl Runner {
 
     async fn run_native(&self, spec: &VmSpec) -> Result<VmResult, HarnessError> {
         let started = Instant::now();
-        let (program, args) = spec.command_line(&self.artifacts.gdrvm, &spec.image.kernel, &spec.image.initrd, false);
+        let files = (spec.image.kernel.as_path(), spec.image.initrd.as_path(), spec.node.as_deref());
+        let (program, args) = spec.command_line(&self.artifacts.gdrvm, files, false);
         let mut cmd = Command::new(&program);
         cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
         let mut child = spawn(&mut cmd, &program)?;
@@ -398,18 +411,27 @@ impl Runner {
             let n = files.len();
             files.entry(host.to_owned()).or_insert_with(|| format!("/l1/files/{n}")).clone()
         };
-        let jobs = L1Jobs {
-            interactive,
-            jobs: specs
-                .iter()
-                .map(|s| {
-                    let (k, i) = (guest_path(&s.image.kernel), guest_path(&s.image.initrd));
-                    let (program, args) =
-                        s.command_line(Path::new(GDRVM_PATH), Path::new(&k), Path::new(&i), interactive);
-                    L1Job { program: program.display().to_string(), args, timeout_secs: s.timeout.as_secs().max(1) }
-                })
-                .collect(),
-        };
+        let jobs =
+            L1Jobs {
+                interactive,
+                jobs: specs
+                    .iter()
+                    .map(|s| {
+                        let (k, i) = (guest_path(&s.image.kernel), guest_path(&s.image.initrd));
+                        // A node file travels into L1; a preset name is known to gdrvm there.
+                        let node = s.node.as_ref().map(|n| {
+                            if Path::new(n).is_file() {
+                                guest_path(Path::new(n))
+                            } else {
+                                n.clone()
+                            }
+                        });
+                        let files = (Path::new(&k), Path::new(&i), node.as_deref());
+                        let (program, args) = s.command_line(Path::new(GDRVM_PATH), files, interactive);
+                        L1Job { program: program.display().to_string(), args, timeout_secs: s.timeout.as_secs().max(1) }
+                    })
+                    .collect(),
+            };
         let mut run = Initramfs::new();
         let jobs_json = serde_json::to_vec(&jobs).map_err(|e| HarnessError::Prepare(e.to_string()))?;
         run.file(JOBS_PATH, Source::Bytes(jobs_json), 0o644);

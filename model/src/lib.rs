@@ -24,6 +24,20 @@ pub struct Expectations {
     pub cpus: u32,
     /// Bytes of RAM the VMM gave the guest.
     pub memory_bytes: u64,
+    /// NUMA nodes, when the VM has more than one.
+    #[serde(default)]
+    pub numa: Vec<NumaExpectation>,
+}
+
+/// One NUMA node as the guest must see it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NumaExpectation {
+    /// Its CPUs (logical CPU numbers, as Linux numbers them in APIC-id order).
+    pub cpus: Vec<u32>,
+    /// Its RAM in bytes.
+    pub memory_bytes: u64,
+    /// SLIT row.
+    pub distances: Vec<u8>,
 }
 
 /// What the image builder put into the initramfs.
@@ -42,6 +56,24 @@ pub struct ImageManifest {
 }
 
 impl Expectations {
+    /// The expectations of a VM with `cpus` vCPUs and `memory` bytes over `numa` (vCPUs are
+    /// handed to the NUMA nodes in order, as the VMM does).
+    pub fn new(cpus: u32, memory: u64, numa: &[node::NumaNode]) -> Self {
+        let mut next = 0;
+        let numa = if numa.len() > 1 {
+            numa.iter()
+                .map(|n| {
+                    let cpus = (next..next + n.cpus).collect();
+                    next += n.cpus;
+                    NumaExpectation { cpus, memory_bytes: n.memory, distances: n.distances.clone() }
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        Expectations { cpus, memory_bytes: memory, numa }
+    }
+
     /// Serializes to the JSON stored at [`EXPECT_PATH`].
     pub fn to_json(&self) -> String {
         // A struct of integers always serializes.

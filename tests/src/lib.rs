@@ -17,6 +17,8 @@ pub mod guests {
     pub const SMOKE_SMALL: &str = "smoke-1cpu-512m";
     /// A guest whose init does not exist: the kernel panics.
     pub const NO_INIT: &str = "panic-no-init";
+    /// The vela-a100 node scaled to 4 vCPUs and 1 GiB over its two NUMA nodes.
+    pub const VELA_NUMA: &str = "vela-a100-4cpu-1g";
 }
 
 fn specs(a: &Artifacts) -> Vec<VmSpec> {
@@ -24,6 +26,7 @@ fn specs(a: &Artifacts) -> Vec<VmSpec> {
         name: name.into(),
         vmm: Vmm::Gdrvm,
         image: a.guest.clone(),
+        node: (name == guests::VELA_NUMA).then(|| "vela-a100".to_owned()),
         cmdline: cmdline.into(),
         cpus,
         memory: memory.into(),
@@ -33,6 +36,7 @@ fn specs(a: &Artifacts) -> Vec<VmSpec> {
         spec(guests::SMOKE, "console=ttyS0 quiet panic=-1 gdrvm.suites=smoke", 2, "1G"),
         spec(guests::SMOKE_SMALL, "console=ttyS0 quiet panic=-1 gdrvm.suites=smoke", 1, "512M"),
         spec(guests::NO_INIT, "console=ttyS0 quiet panic=-1 rdinit=/no/such/init", 1, "256M"),
+        spec(guests::VELA_NUMA, "console=ttyS0 quiet panic=-1 gdrvm.suites=smoke,topology", 4, "1G"),
     ]
 }
 

@@ -6,11 +6,15 @@ use acpi_tables::gas::{AccessSize, AddressSpace, GAS};
 use acpi_tables::madt::{EnabledStatus, IoApic, LocalInterruptController, ProcessorLocalApic, MADT};
 use acpi_tables::rsdp::Rsdp;
 use acpi_tables::sdt::Sdt;
+use acpi_tables::slit::SLIT;
+use acpi_tables::srat::{MemoryAffinity, SRAT};
 use acpi_tables::xsdt::XSDT;
 use acpi_tables::{aml, Aml};
 use gdrvm_devices::{ACPI_RESET_PORT, ACPI_RESET_VALUE, ACPI_SLEEP_PORT, COM1_IRQ, COM1_PORT, S5_SLEEP_TYPE};
+use gdrvm_model::node::NumaNode;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
+use crate::cpu_topology::CpuPlace;
 use crate::layout;
 
 const OEM_ID: [u8; 6] = *b"GDRVM ";
@@ -40,9 +44,10 @@ pub enum AcpiError {
     GuestWrite(String),
 }
 
-/// Builds every table for a machine with `cpus` vCPUs, laid out from [`layout::ACPI_START`].
-/// The RSDP comes first, at the start of the area where legacy scans look for it.
-pub fn build(cpus: u32) -> Vec<PlacedTable> {
+/// Builds every table for a machine with `cpus` vCPUs and, with two NUMA nodes or more,
+/// their SRAT and SLIT; laid out from [`layout::ACPI_START`]. The RSDP comes first, at the
+/// start of the area where legacy scans look for it.
+pub fn build(cpus: &[CpuPlace], numa: &[NumaNode]) -> Vec<PlacedTable> {
     let dsdt = dsdt();
     let madt = madt(cpus);
     let mut next = layout::ACPI_START + Rsdp::len() as u64;
@@ -54,21 +59,28 @@ pub fn build(cpus: u32) -> Vec<PlacedTable> {
     let (dsdt_addr, dsdt) = place(dsdt);
     let (fadt_addr, fadt) = place(fadt(dsdt_addr));
     let (madt_addr, madt) = place(madt);
+    let mut tables = vec![(dsdt_addr, dsdt), (fadt_addr, fadt), (madt_addr, madt)];
+    if numa.len() > 1 {
+        tables.push(place(srat(cpus, numa)));
+        tables.push(place(slit(numa)));
+    }
     let mut xsdt = XSDT::new(OEM_ID, OEM_TABLE_ID, OEM_REVISION);
-    xsdt.add_entry(fadt_addr);
-    xsdt.add_entry(madt_addr);
-    let (xsdt_addr, xsdt) = place(to_bytes(&xsdt));
-    let rsdp = to_bytes(&Rsdp::new(OEM_ID, xsdt_addr));
+    for (addr, _) in &tables[1..] {
+        xsdt.add_entry(*addr);
+    }
+    tables.push(place(to_bytes(&xsdt)));
+    let rsdp = to_bytes(&Rsdp::new(OEM_ID, tables[tables.len() - 1].0));
+    tables.insert(0, (layout::ACPI_START, rsdp));
 
-    [(layout::ACPI_START, rsdp), (dsdt_addr, dsdt), (fadt_addr, fadt), (madt_addr, madt), (xsdt_addr, xsdt)]
+    tables
         .into_iter()
         .map(|(addr, bytes)| PlacedTable { addr, signature: String::from_utf8_lossy(&bytes[..4]).into_owned(), bytes })
         .collect()
 }
 
 /// Writes the tables into guest memory; returns the RSDP's address.
-pub fn write(mem: &GuestMemoryMmap, cpus: u32) -> Result<u64, AcpiError> {
-    let tables = build(cpus);
+pub fn write(mem: &GuestMemoryMmap, cpus: &[CpuPlace], numa: &[NumaNode]) -> Result<u64, AcpiError> {
+    let tables = build(cpus, numa);
     let end = tables.iter().map(|t| t.addr + t.bytes.len() as u64).max().unwrap_or(layout::ACPI_START);
     if end > layout::BIOS_END {
         return Err(AcpiError::TooBig(end - layout::ACPI_START));
@@ -105,17 +117,64 @@ fn io_register(port: u16) -> GAS {
     GAS::new(AddressSpace::SystemIo, 8, 0, AccessSize::ByteAccess, u64::from(port))
 }
 
-fn madt(cpus: u32) -> Vec<u8> {
+fn madt(cpus: &[CpuPlace]) -> Vec<u8> {
     let mut madt =
         MADT::new(OEM_ID, OEM_TABLE_ID, OEM_REVISION, LocalInterruptController::Address(layout::LAPIC_START as u32));
-    for id in 0..cpus {
-        // cpus is validated to at most 254, so ids fit the 8-bit xAPIC entry.
-        let id = id as u8;
-        madt.add_structure(ProcessorLocalApic::new(id, id, EnabledStatus::Enabled));
+    for (uid, cpu) in (0u8..).zip(cpus) {
+        // The config keeps APIC ids below 255, so the 8-bit xAPIC entry holds them.
+        madt.add_structure(ProcessorLocalApic::new(uid, cpu.apic_id as u8, EnabledStatus::Enabled));
     }
-    // The IOAPIC's id follows the CPUs' so that no APIC ids collide.
-    madt.add_structure(IoApic::new(cpus as u8, layout::IOAPIC_START as u32, 0));
+    // The IOAPIC's id follows the highest APIC id so that no ids collide.
+    let ioapic_id = cpus.iter().map(|c| c.apic_id + 1).max().unwrap_or(0) as u8;
+    madt.add_structure(IoApic::new(ioapic_id, layout::IOAPIC_START as u32, 0));
     to_bytes(&madt)
+}
+
+/// SRAT: memory affinity (from `acpi_tables`) and processor x2APIC affinity, which
+/// `acpi_tables` 0.2 lacks and which are appended here by hand (ACPI 6.5, 5.2.16.3).
+fn srat(cpus: &[CpuPlace], numa: &[NumaNode]) -> Vec<u8> {
+    let mut srat = SRAT::new(OEM_ID, OEM_TABLE_ID, OEM_REVISION);
+    let sizes: Vec<u64> = numa.iter().map(|n| n.memory).collect();
+    for (node, start, len) in layout::numa_ranges(&sizes) {
+        srat.add_memory_affinity(MemoryAffinity::new(node, start, len).enabled());
+    }
+    let mut bytes = to_bytes(&srat);
+    for cpu in cpus {
+        // One package per NUMA node (see cpu_topology).
+        bytes.extend_from_slice(&x2apic_affinity(cpu.socket, cpu.apic_id));
+    }
+    seal(&mut bytes);
+    bytes
+}
+
+/// Processor Local x2APIC Affinity structure (type 2, 24 bytes), enabled.
+fn x2apic_affinity(proximity_domain: u32, x2apic_id: u32) -> [u8; 24] {
+    let mut e = [0u8; 24];
+    e[0] = 2;
+    e[1] = 24;
+    e[4..8].copy_from_slice(&proximity_domain.to_le_bytes());
+    e[8..12].copy_from_slice(&x2apic_id.to_le_bytes());
+    e[12..16].copy_from_slice(&1u32.to_le_bytes());
+    e
+}
+
+/// Sets a table's length field and checksum after bytes were appended to it.
+fn seal(table: &mut [u8]) {
+    let len = table.len() as u32;
+    table[4..8].copy_from_slice(&len.to_le_bytes());
+    table[9] = 0;
+    table[9] = table.iter().fold(0u8, |a, b| a.wrapping_sub(*b));
+}
+
+/// SLIT: the NUMA distance matrix.
+fn slit(numa: &[NumaNode]) -> Vec<u8> {
+    let mut slit = SLIT::new(OEM_ID, OEM_TABLE_ID, OEM_REVISION, numa.len() as u32);
+    for (i, node) in numa.iter().enumerate() {
+        for (j, d) in node.distances.iter().enumerate() {
+            slit.set_distance(i, j, *d);
+        }
+    }
+    to_bytes(&slit)
 }
 
 fn dsdt() -> Vec<u8> {
@@ -156,6 +215,7 @@ impl Aml for Com1 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu_topology;
 
     fn checksum_ok(bytes: &[u8]) -> bool {
         bytes.iter().fold(0u8, |a, b| a.wrapping_add(*b)) == 0
@@ -174,7 +234,7 @@ mod tests {
 
     #[test]
     fn test_tables_checksum_and_link_up() {
-        let tables = build(4);
+        let tables = build(&cpu_topology::layout(4, &[]), &[]);
         let sigs: Vec<_> = tables.iter().map(|t| t.signature.as_str()).collect();
         assert_eq!(sigs, ["RSD ", "DSDT", "FACP", "APIC", "XSDT"]);
         let rsdp = &tables[0].bytes;
@@ -198,9 +258,45 @@ mod tests {
 
     #[test]
     fn test_table_bytes_snapshot() {
-        let dump: String =
-            build(2).iter().map(|t| format!("{} @ {:#x}\n{}\n", t.signature, t.addr, hexdump(&t.bytes))).collect();
+        let dump: String = build(&cpu_topology::layout(2, &[]), &[])
+            .iter()
+            .map(|t| format!("{} @ {:#x}\n{}\n", t.signature, t.addr, hexdump(&t.bytes)))
+            .collect();
         insta::assert_snapshot!(dump);
+    }
+
+    fn two_nodes() -> Vec<NumaNode> {
+        vec![
+            NumaNode { id: 0, cpus: 1, memory: 512 << 20, distances: vec![10, 21] },
+            NumaNode { id: 1, cpus: 1, memory: 512 << 20, distances: vec![21, 10] },
+        ]
+    }
+
+    #[test]
+    fn test_numa_tables() {
+        let nodes = two_nodes();
+        let tables = build(&cpu_topology::layout(2, &nodes), &nodes);
+        let sigs: Vec<_> = tables.iter().map(|t| t.signature.as_str()).collect();
+        assert_eq!(sigs, ["RSD ", "DSDT", "FACP", "APIC", "SRAT", "SLIT", "XSDT"]);
+        for t in &tables[1..] {
+            assert!(checksum_ok(&t.bytes), "{} checksum", t.signature);
+            assert_eq!(u32::from_le_bytes(t.bytes[4..8].try_into().unwrap()) as usize, t.bytes.len());
+        }
+        // SRAT: 48-byte header, two memory affinities (40 bytes), two x2APIC affinities (24).
+        let srat = &tables[4].bytes;
+        assert_eq!(srat.len(), 48 + 2 * 40 + 2 * 24);
+        let cpu1 = &srat[48 + 80 + 24..];
+        assert_eq!((cpu1[0], cpu1[1]), (2, 24));
+        assert_eq!(u32::from_le_bytes(cpu1[4..8].try_into().unwrap()), 1, "proximity domain");
+        assert_eq!(u32::from_le_bytes(cpu1[8..12].try_into().unwrap()), 1, "x2APIC id");
+        // SLIT: 8-byte locality count, then the matrix.
+        assert_eq!(&tables[5].bytes[36..], &[2, 0, 0, 0, 0, 0, 0, 0, 10, 21, 21, 10]);
+        // The XSDT lists FADT, MADT, SRAT and SLIT.
+        assert_eq!(tables[6].bytes.len(), 36 + 4 * 8);
+        insta::assert_snapshot!(tables[4..6]
+            .iter()
+            .map(|t| format!("{} @ {:#x}\n{}\n", t.signature, t.addr, hexdump(&t.bytes)))
+            .collect::<String>());
     }
 
     /// Disassembles every table with `iasl -d` (Debian `acpica-tools`) and requires no errors.
@@ -211,7 +307,8 @@ mod tests {
             return;
         }
         let dir = tempfile::tempdir().unwrap();
-        for t in build(2).iter().filter(|t| t.signature != "RSD ") {
+        let nodes = two_nodes();
+        for t in build(&cpu_topology::layout(2, &nodes), &nodes).iter().filter(|t| t.signature != "RSD ") {
             let path = dir.path().join(format!("{}.dat", t.signature.to_lowercase()));
             std::fs::write(&path, &t.bytes).unwrap();
             let out = std::process::Command::new("iasl").arg("-d").arg(&path).current_dir(dir.path()).output().unwrap();

@@ -285,7 +285,14 @@ mod tests {
     fn config(dir: &tempfile::TempDir, kernel: &[u8]) -> VmConfig {
         let path = dir.path().join("kernel");
         std::fs::File::create(&path).unwrap().write_all(kernel).unwrap();
-        VmConfig { kernel: path, initrd: None, cmdline: "console=ttyS0 quiet".into(), cpus: 1, memory: 64 * MIB }
+        VmConfig {
+            kernel: path,
+            initrd: None,
+            cmdline: "console=ttyS0 quiet".into(),
+            cpus: 1,
+            memory: 64 * MIB,
+            numa: vec![],
+        }
     }
 
     #[test]

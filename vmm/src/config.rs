@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 
+use gdrvm_model::node::NumaNode;
 use gdrvm_model::{MAX_GUEST_MEMORY as MAX_MEMORY, MIN_GUEST_MEMORY as MIN_MEMORY};
 
 /// Most vCPUs (MADT local APIC entries are 8-bit; x2APIC comes with the topology work).
@@ -19,6 +20,24 @@ pub enum ConfigError {
     /// Zero or too many vCPUs.
     #[error("cpus {0} is out of range: 1 to 254")]
     CpusOutOfRange(u32),
+    /// NUMA nodes that do not add up to the machine.
+    #[error("NUMA nodes hold {cpus} vCPUs and {memory} bytes, the machine {want_cpus} and {want_memory}")]
+    NumaMismatch {
+        /// vCPUs in the nodes.
+        cpus: u32,
+        /// Bytes in the nodes.
+        memory: u64,
+        /// vCPUs of the machine.
+        want_cpus: u32,
+        /// Bytes of the machine.
+        want_memory: u64,
+    },
+    /// The vCPU layout needs APIC ids the xAPIC MADT cannot hold.
+    #[error("the vCPU layout needs APIC id {0}, above the 254 an xAPIC MADT holds: fewer vCPUs per NUMA node")]
+    ApicIds(u32),
+    /// A node description is unusable.
+    #[error(transparent)]
+    Node(#[from] gdrvm_model::node::NodeError),
     /// An input file does not exist or cannot be read.
     #[error("{what} '{path}' cannot be read: {reason}")]
     Unreadable {
@@ -44,6 +63,9 @@ pub struct VmConfig {
     pub cpus: u32,
     /// Guest RAM in bytes.
     pub memory: u64,
+    /// NUMA nodes (from a node description); empty for one node holding everything.
+    /// Their CPUs and memory add up to `cpus` and `memory`.
+    pub numa: Vec<NumaNode>,
 }
 
 impl VmConfig {
@@ -54,6 +76,16 @@ impl VmConfig {
         }
         if self.cpus == 0 || self.cpus > MAX_CPUS {
             return Err(ConfigError::CpusOutOfRange(self.cpus));
+        }
+        if !self.numa.is_empty() {
+            let (cpus, memory) = (self.numa.iter().map(|n| n.cpus).sum(), self.numa.iter().map(|n| n.memory).sum());
+            if (cpus, memory) != (self.cpus, self.memory) {
+                return Err(ConfigError::NumaMismatch { cpus, memory, want_cpus: self.cpus, want_memory: self.memory });
+            }
+        }
+        let top = crate::cpu_topology::layout(self.cpus, &self.numa).iter().map(|c| c.apic_id).max().unwrap_or(0);
+        if top > 254 {
+            return Err(ConfigError::ApicIds(top));
         }
         check_readable("kernel", &self.kernel)?;
         if let Some(initrd) = &self.initrd {
@@ -99,7 +131,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let kernel = dir.path().join("vmlinux");
         std::fs::write(&kernel, b"x").unwrap();
-        let mut cfg = VmConfig { kernel, initrd: None, cmdline: String::new(), cpus: 1, memory: 1 << 20 };
+        let mut cfg = VmConfig { kernel, initrd: None, cmdline: String::new(), cpus: 1, memory: 1 << 20, numa: vec![] };
         assert_eq!(cfg.validate(), Err(ConfigError::MemoryOutOfRange(1 << 20)));
         cfg.memory = 256 << 20;
         cfg.cpus = 0;

@@ -91,6 +91,30 @@ pub fn e820_map(memory: u64) -> Vec<E820Entry> {
     map
 }
 
+/// Guest-physical ranges of each NUMA node's RAM: the nodes take consecutive slices of
+/// guest RAM in order, each split where RAM is split around the MMIO hole. Returns
+/// `(node, start, length)`.
+pub fn numa_ranges(node_memory: &[u64]) -> Vec<(u32, u64, u64)> {
+    let mut out = Vec::new();
+    let ram = ram_ranges(node_memory.iter().sum());
+    let (mut range, mut used) = (0, 0u64);
+    for (node, &size) in (0u32..).zip(node_memory) {
+        let mut left = size;
+        while left > 0 && range < ram.len() {
+            let (start, len) = ram[range];
+            let take = left.min(len - used);
+            out.push((node, start + used, take));
+            left -= take;
+            used += take;
+            if used == len {
+                range += 1;
+                used = 0;
+            }
+        }
+    }
+    out
+}
+
 /// Highest address + 1 of RAM below 4 GiB.
 pub fn low_ram_end(memory: u64) -> u64 {
     memory.min(MMIO_HOLE_START)
@@ -116,6 +140,15 @@ mod tests {
         );
         let ram: u64 = map.iter().filter(|e| e.kind == E820Kind::Ram).map(|e| e.size).sum();
         assert!(ram > 511 * MIB);
+    }
+
+    #[test]
+    fn test_numa_ranges_follow_ram_around_the_hole() {
+        assert_eq!(numa_ranges(&[512 * MIB, 512 * MIB]), vec![(0, 0, 512 * MIB), (1, 512 * MIB, 512 * MIB)]);
+        // 2 GiB + 2 GiB: node 1 starts below the hole and continues above 4 GiB.
+        let r = numa_ranges(&[2 * GIB, 2 * GIB]);
+        assert_eq!(r, vec![(0, 0, 2 * GIB), (1, 2 * GIB, GIB), (1, FOUR_GIB, GIB)]);
+        assert_eq!(numa_ranges(&[GIB]), vec![(0, 0, GIB)]);
     }
 
     #[test]

@@ -6,6 +6,7 @@ pub mod bios;
 pub mod boot;
 pub mod config;
 mod console;
+pub mod cpu_topology;
 pub mod initrd;
 pub mod layout;
 pub mod machine;

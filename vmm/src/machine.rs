@@ -26,7 +26,7 @@ use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 use crate::config::{ConfigError, VmConfig};
 use crate::console::{EscapeFilter, InputAction, RawTerminal};
 use crate::vcpu::{self, ExitContext, VcpuError};
-use crate::{acpi, bios, boot, initrd, layout, memory};
+use crate::{acpi, bios, boot, cpu_topology, initrd, layout, memory};
 
 /// Errors that stop a VM from being built or run.
 #[derive(Debug, thiserror::Error)]
@@ -124,7 +124,7 @@ pub struct ConsoleOptions {
 pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Result<RunReport, VmmError> {
     config.validate()?;
     // Every input is checked before KVM is touched.
-    let expect = Expectations { cpus: config.cpus, memory_bytes: config.memory };
+    let expect = Expectations::new(config.cpus, config.memory, &config.numa);
     let initrd = config.initrd.as_deref().map(|path| initrd::build(path, &expect)).transpose()?;
     // Host signals are read from a signalfd; block them before any thread starts.
     let signals = SignalFd::new()?;
@@ -140,7 +140,8 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
     register_memory(&vm, &ram.memory)?;
     tracing::debug!(elapsed = ?started.elapsed(), "VM and guest RAM ready");
 
-    let rsdp = acpi::write(&ram.memory, config.cpus)?;
+    let cpus = cpu_topology::layout(config.cpus, &config.numa);
+    let rsdp = acpi::write(&ram.memory, &cpus, &config.numa)?;
     bios::write(&ram.memory).map_err(|_| VmmError::Host {
         what: "write the reset vector",
         source: std::io::Error::from_raw_os_error(libc::EFAULT),
@@ -163,10 +164,11 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
 
     let base_cpuid = kvm_sys.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(kvm("read supported CPUID"))?;
     let mut vcpus = Vec::new();
-    for id in 0..config.cpus {
-        let fd = vm.create_vcpu(u64::from(id)).map_err(kvm("create a vCPU"))?;
+    for (id, place) in (0u32..).zip(&cpus) {
+        // The KVM vCPU id is the APIC id; vCPU 0 (APIC id 0) is the boot CPU.
+        let fd = vm.create_vcpu(u64::from(place.apic_id)).map_err(kvm("create a vCPU"))?;
         let boot = (id == 0).then_some(entry);
-        vcpu::configure(&fd, id, &vcpu::cpuid_for(&base_cpuid, id, config.cpus), boot)?;
+        vcpu::configure(&fd, id, &vcpu::cpuid_for(&base_cpuid, place), boot)?;
         vcpus.push(fd);
     }
 

@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use clap::{Parser, Subcommand};
 use gdrvm::{ConsoleOptions, Outcome, VmConfig};
+use gdrvm_model::node::Node;
 
 /// Exit status when the VM could not be run at all (`git bisect run`'s "cannot test").
 const EXIT_CANNOT_TEST: u8 = 125;
@@ -58,12 +59,16 @@ struct RunArgs {
     /// Kernel command line.
     #[arg(long, default_value = "console=ttyS0 quiet panic=-1")]
     cmdline: String,
-    /// Number of vCPUs.
-    #[arg(long, default_value_t = 1)]
-    cpus: u32,
-    /// Guest RAM (e.g. 512M, 2G).
-    #[arg(long, default_value = "512M", value_parser = parse_memory)]
-    memory: u64,
+    /// Number of vCPUs [default: 1, or the node's; with --node, spread over its NUMA nodes].
+    #[arg(long)]
+    cpus: Option<u32>,
+    /// Guest RAM, e.g. 512M, 2G [default: 512M, or the node's; with --node, spread likewise].
+    #[arg(long, value_parser = parse_memory)]
+    memory: Option<u64>,
+    /// Node description: a preset (minimal, flat, vela-a100) or a TOML file. Gives the
+    /// guest its NUMA layout.
+    #[arg(long)]
+    node: Option<String>,
     /// Forward standard input to the guest console (raw terminal; Ctrl-A x quits).
     #[arg(long)]
     interactive: bool,
@@ -101,12 +106,21 @@ fn main() -> ExitCode {
 }
 
 fn run(args: RunArgs, started: Instant) -> ExitCode {
+    let numa = match args.node.as_deref().map(|n| Node::resolve(n).and_then(|n| n.scaled(args.cpus, args.memory))) {
+        None => Vec::new(),
+        Some(Ok(node)) => node.numa,
+        Some(Err(e)) => {
+            eprintln!("gdrvm: error: {e}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
     let config = VmConfig {
         kernel: args.kernel,
         initrd: args.initrd,
         cmdline: args.cmdline,
-        cpus: args.cpus,
-        memory: args.memory,
+        cpus: if numa.is_empty() { args.cpus.unwrap_or(1) } else { numa.iter().map(|n| n.cpus).sum() },
+        memory: if numa.is_empty() { args.memory.unwrap_or(512 << 20) } else { numa.iter().map(|n| n.memory).sum() },
+        numa,
     };
     // SAFETY: fd 1 is this process's stdout; ManuallyDrop keeps it open after the VM is gone.
     // Unbuffered, so the console shows each byte as the guest writes it.

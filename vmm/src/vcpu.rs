@@ -11,6 +11,7 @@ use kvm_ioctls::{VcpuExit, VcpuFd};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 use crate::boot::{BootEntry, EntryMode};
+use crate::cpu_topology::CpuPlace;
 use crate::layout;
 
 /// Errors configuring or running a vCPU.
@@ -107,24 +108,32 @@ fn segment(index: u16, flags: u16, base: u32, limit: u32) -> kvm_segment {
     }
 }
 
-/// Per-vCPU CPUID: the host's supported leaves with this vCPU's APIC id and the machine's
-/// CPU count in the topology leaves (Intel 0x1/0xb/0x1f and AMD 0x8000_0008/0x8000_001e).
-pub fn cpuid_for(base: &CpuId, id: u32, cpus: u32) -> CpuId {
+/// Per-vCPU CPUID: the host's supported leaves, with this vCPU's APIC id and package
+/// layout in the topology leaves (Intel 0x1, 0x4, 0xb, 0x1f; AMD 0x8000_0008, 0x8000_001d,
+/// 0x8000_001e) and the last-level cache shared by the package only.
+pub fn cpuid_for(base: &CpuId, place: &CpuPlace) -> CpuId {
     let mut cpuid = base.clone();
-    let shift = u32::BITS - (cpus.max(1) - 1).leading_zeros();
+    let (id, bits) = (place.apic_id, place.core_bits);
+    let package_ids = 1u32 << bits;
     for e in cpuid.as_mut_slice() {
         match e.function {
             0x1 => {
-                e.ebx = (id << 24) | ((cpus & 0xff) << 16) | (e.ebx & 0xffff);
+                e.ebx = ((id & 0xff) << 24) | ((package_ids & 0xff) << 16) | (e.ebx & 0xffff);
                 e.ecx |= 1 << 31; // running under a hypervisor
-                if cpus > 1 {
+                if place.cores_in_socket > 1 {
                     e.edx |= 1 << 28; // HTT: the count in ebx is valid
                 }
             }
+            0x4 if e.eax & 0x1f != 0 => {
+                // Cores per package, and threads sharing this cache: the package for L3.
+                let level = (e.eax >> 5) & 0x7;
+                let sharing = if level >= 3 { package_ids - 1 } else { 0 };
+                e.eax = (e.eax & 0x3fff) | ((sharing & 0xfff) << 14) | (((package_ids - 1) & 0x3f) << 26);
+            }
             0xb | 0x1f => {
                 let (eax, ebx, level) = match e.index {
-                    0 => (0, 1, 1),        // SMT level: one thread per core
-                    1 => (shift, cpus, 2), // core level: every vCPU is a core
+                    0 => (0, 1, 1),                        // SMT level: one thread per core
+                    1 => (bits, place.cores_in_socket, 2), // core level: the package
                     _ => (0, 0, 0),
                 };
                 e.eax = eax;
@@ -132,11 +141,16 @@ pub fn cpuid_for(base: &CpuId, id: u32, cpus: u32) -> CpuId {
                 e.ecx = (level << 8) | e.index;
                 e.edx = id;
             }
-            0x8000_0008 => e.ecx = (shift << 12) | (cpus - 1),
+            0x8000_0008 => e.ecx = (bits << 12) | (place.cores_in_socket - 1),
+            0x8000_001d if e.eax & 0x1f != 0 => {
+                let level = (e.eax >> 5) & 0x7;
+                let sharing = if level >= 3 { package_ids - 1 } else { 0 };
+                e.eax = (e.eax & !(0xfff << 14)) | ((sharing & 0xfff) << 14);
+            }
             0x8000_001e => {
                 e.eax = id;
-                e.ebx = id & 0xff;
-                e.ecx = 0;
+                e.ebx = place.core & 0xff; // one thread per core
+                e.ecx = place.socket & 0xff; // node id; one node per package
                 e.edx = 0;
             }
             _ => {}
@@ -394,22 +408,31 @@ mod tests {
 
     #[test]
     fn test_cpuid_topology_per_vcpu() {
+        let leaf = |function, index, eax| kvm_bindings::kvm_cpuid_entry2 { function, index, eax, ..Default::default() };
         let entries = [
             kvm_bindings::kvm_cpuid_entry2 { function: 1, ebx: 0x0800, ..Default::default() },
-            kvm_bindings::kvm_cpuid_entry2 { function: 0xb, index: 0, ..Default::default() },
-            kvm_bindings::kvm_cpuid_entry2 { function: 0xb, index: 1, ..Default::default() },
-            kvm_bindings::kvm_cpuid_entry2 { function: 0x8000_0008, ..Default::default() },
+            leaf(0xb, 0, 0),
+            leaf(0xb, 1, 0),
+            leaf(0x8000_0008, 0, 0),
+            leaf(0x8000_001d, 0, (1 << 5) | 1),              // L1 data cache
+            leaf(0x8000_001d, 3, (3 << 5) | 3 | (15 << 14)), // L3, claimed shared by 16
+            leaf(0x8000_001e, 0, 0),
         ];
         let base = CpuId::from_entries(&entries).unwrap();
-        let c = cpuid_for(&base, 3, 4);
+        // vCPU 5 of a 2-node machine with 3 + 3 vCPUs: package 1, core 1, APIC id 0b101.
+        let place = CpuPlace { apic_id: 5, socket: 1, core: 1, cores_in_socket: 3, core_bits: 2 };
+        let c = cpuid_for(&base, &place);
         let e = c.as_slice();
-        assert_eq!(e[0].ebx >> 24, 3);
+        assert_eq!(e[0].ebx >> 24, 5);
         assert_eq!((e[0].ebx >> 16) & 0xff, 4);
         assert_eq!(e[0].ebx & 0xffff, 0x0800);
         assert_ne!(e[0].ecx & (1 << 31), 0);
-        assert_eq!((e[1].ebx, e[1].edx, e[1].ecx >> 8), (1, 3, 1));
-        assert_eq!((e[2].eax, e[2].ebx, e[2].ecx >> 8), (2, 4, 2));
-        assert_eq!(e[3].ecx, (2 << 12) | 3);
+        assert_eq!((e[1].ebx, e[1].edx, e[1].ecx >> 8), (1, 5, 1));
+        assert_eq!((e[2].eax, e[2].ebx, e[2].ecx >> 8), (2, 3, 2));
+        assert_eq!(e[3].ecx, (2 << 12) | 2);
+        assert_eq!((e[4].eax >> 14) & 0xfff, 0, "L1 is per core");
+        assert_eq!((e[5].eax >> 14) & 0xfff, 3, "L3 is shared by the 4 APIC ids of the package");
+        assert_eq!((e[6].eax, e[6].ebx, e[6].ecx), (5, 1, 1));
     }
 
     #[test]

@@ -30,6 +30,7 @@ fn specs(artifacts: &Artifacts, rounds: usize) -> Vec<VmSpec> {
                 name: format!("{name} #{round}"),
                 vmm: *vmm,
                 image: artifacts.guest.clone(),
+                node: None,
                 // The same kernel, initramfs and command line for every VMM; no suites, so
                 // the agent prints its KTAP header as soon as it starts.
                 cmdline: "console=ttyS0 quiet panic=-1 gdrvm.suites=".into(),

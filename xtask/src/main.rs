@@ -45,6 +45,10 @@ struct RunOpts {
     /// Seconds before a hung guest is stopped.
     #[arg(long, default_value_t = 300)]
     timeout: u64,
+    /// Node description (preset or TOML file); --cpus and --memory then spread over its
+    /// NUMA nodes.
+    #[arg(long)]
+    node: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -151,6 +155,7 @@ fn boot(suites: &[String], shell: bool, opts: &RunOpts) -> Result<i32> {
         name: "boot".into(),
         vmm: Vmm::Gdrvm,
         image: BootImage { kernel: PathBuf::new(), initrd: PathBuf::new() },
+        node: opts.node.clone(),
         cmdline: if shell {
             "console=ttyS0 quiet panic=-1 gdrvm.shell".into()
         } else {

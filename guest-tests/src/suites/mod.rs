@@ -1,17 +1,19 @@
 //! Test suites the agent runs, by name.
 
 mod smoke;
+mod topology;
 
 use crate::context::Context;
 use crate::ktap::{Check, SuiteReport, Verdict};
 
 /// Names of every suite, in the order `all` runs them.
-pub const SUITES: &[&str] = &["smoke"];
+pub const SUITES: &[&str] = &["smoke", "topology"];
 
 /// Runs the suite called `name`.
 pub fn run(name: &str, ctx: &Context) -> SuiteReport {
     let checks = match name {
         "smoke" => smoke::run(ctx),
+        "topology" => topology::run(ctx),
         other => vec![Check::new(
             "suite_exists",
             Verdict::Fail(format!("no suite named '{other}' (known: {})", SUITES.join(", "))),

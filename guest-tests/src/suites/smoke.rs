@@ -34,7 +34,7 @@ fn kernel_release(ctx: &Context) -> Check {
 }
 
 /// Counts CPUs in a sysfs list such as `0-3,5,7-8`.
-pub fn count_cpu_list(list: &str) -> Option<u32> {
+pub(crate) fn count_cpu_list(list: &str) -> Option<u32> {
     let mut n = 0;
     for part in list.trim().split(',').filter(|p| !p.is_empty()) {
         n += match part.split_once('-') {
@@ -171,7 +171,7 @@ mod tests {
 
     fn ctx(root: &std::path::Path, log: &str) -> Context {
         Context {
-            expect: Some(Expectations { cpus: 2, memory_bytes: 1 << 30 }),
+            expect: Some(Expectations { cpus: 2, memory_bytes: 1 << 30, numa: vec![] }),
             image: Some(ImageManifest {
                 name: "default".into(),
                 kernel_release: "6.1.0-57-amd64".into(),
