@@ -103,14 +103,39 @@ fn wait_with_deadline(child: &mut Child, timeout: Duration) -> std::io::Result<O
             return Ok(Some(code(status)));
         }
         if Instant::now() >= deadline {
+            report_stuck(child.id());
             // SIGTERM first: gdrvm stops its VM cleanly; SIGKILL if it does not.
             // SAFETY: signals a child we own and have not reaped.
             unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
             std::thread::sleep(Duration::from_secs(2));
             let _ = child.kill();
-            let _ = child.wait();
+            // A thread stuck in the kernel can outlive SIGKILL: do not wait for it forever.
+            let gone = Instant::now() + Duration::from_secs(10);
+            while child.try_wait()?.is_none() && Instant::now() < gone {
+                std::thread::sleep(Duration::from_millis(100));
+            }
             return Ok(None);
         }
         std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Prints where each thread of a job that ran past its timeout is: name, state, kernel wait
+/// channel and kernel stack, for the report of a hang.
+fn report_stuck(pid: u32) {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).into_iter().flatten().filter_map(Result::ok);
+    for task in tasks {
+        let path = task.path();
+        let read = |f: &str| std::fs::read_to_string(path.join(f)).unwrap_or_default();
+        let state = read("stat").rsplit(')').next().unwrap_or("").split_whitespace().next().unwrap_or("?").to_owned();
+        println!(
+            "{MARKER}stuck task {} ({}) state {state} wchan {}",
+            task.file_name().to_string_lossy(),
+            read("comm").trim(),
+            read("wchan").trim()
+        );
+        for line in read("stack").lines().take(12) {
+            println!("{MARKER}stuck   {line}");
+        }
     }
 }

@@ -19,6 +19,8 @@ pub enum L1Line<'a> {
     JobExit { job: usize, code: i32, millis: u64 },
     /// Job `n` ran past its timeout and was killed.
     JobTimeout(usize),
+    /// Where a job that ran past its timeout is stuck (one line of the report).
+    Stuck(&'a str),
     /// All jobs done; L1 powers off.
     Done,
     /// Anything else (L1's kernel messages).
@@ -34,6 +36,7 @@ pub fn classify(line: &str) -> L1Line<'_> {
             ["ready"] => L1Line::Ready,
             ["done"] => L1Line::Done,
             ["error", ..] => L1Line::Error(rest["error".len()..].trim()),
+            ["stuck", ..] => L1Line::Stuck(rest),
             ["job", n, "start"] => n.parse().map_or(L1Line::Other(line), L1Line::JobStart),
             ["job", n, "timeout"] => n.parse().map_or(L1Line::Other(line), L1Line::JobTimeout),
             ["job", n, "ktap", ms] => match (n.parse(), ms.parse()) {
@@ -68,6 +71,10 @@ mod tests {
         assert_eq!(classify("@@1|    ok 1 kernel_release"), L1Line::JobOutput(1, "    ok 1 kernel_release"));
         assert_eq!(classify("@@gdrvm-l1 job 0 exit 1 15234"), L1Line::JobExit { job: 0, code: 1, millis: 15234 });
         assert_eq!(classify("@@gdrvm-l1 job 0 timeout"), L1Line::JobTimeout(0));
+        assert_eq!(
+            classify("@@gdrvm-l1 stuck task 91 (vcpu0) state R wchan 0"),
+            L1Line::Stuck("stuck task 91 (vcpu0) state R wchan 0")
+        );
         assert_eq!(classify("@@gdrvm-l1 job 3 ktap 9120"), L1Line::JobKtap { job: 3, millis: 9120 });
         assert_eq!(
             classify("@@gdrvm-l1 error no /dev/kvm: kvm_amd: ENODEV"),

@@ -495,6 +495,7 @@ impl Runner {
         let mut time_to_ktap: Vec<Option<Duration>> = vec![None; specs.len()];
         let mut l1_lines: Vec<String> = Vec::new();
         let mut l1_error: Option<String> = None;
+        let mut current: Option<usize> = None;
         let started = Instant::now();
         loop {
             tokio::select! {
@@ -502,6 +503,11 @@ impl Runner {
                     let Some(line) = line else { break };
                     match classify(&line) {
                         L1Line::JobOutput(i, text) if i < specs.len() => self.take_line(&mut consoles[i], text.to_owned()),
+                        L1Line::JobStart(i) if i < specs.len() => current = Some(i),
+                        L1Line::Stuck(text) => match current {
+                            Some(i) => self.take_line(&mut consoles[i], format!("L1: {text}")),
+                            None => l1_lines.push(line.clone()),
+                        },
                         L1Line::JobExit { job, code, millis } if job < specs.len() => {
                             outcomes[job] = Some((VmOutcome::Exited(code), Duration::from_millis(millis)));
                         }

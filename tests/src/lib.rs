@@ -30,7 +30,8 @@ fn specs(a: &Artifacts) -> Vec<VmSpec> {
         cmdline: cmdline.into(),
         cpus,
         memory: memory.into(),
-        timeout: Duration::from_secs(300),
+        // A guest boots in 15-20 s nested; a hung one should not hold CI for long.
+        timeout: Duration::from_secs(150),
     };
     vec![
         spec(guests::SMOKE, "console=ttyS0 quiet panic=-1 gdrvm.suites=smoke", 2, "1G"),
