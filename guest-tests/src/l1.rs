@@ -90,8 +90,12 @@ fn run_relayed(i: usize, job: &L1Job) -> std::io::Result<Option<i32>> {
             .flatten()
             .collect();
     let result = wait_with_deadline(&mut child, Duration::from_secs(job.timeout_secs));
-    for r in relays {
-        let _ = r.join();
+    // The relays end when the job's pipes close; a job stuck past SIGKILL keeps them open,
+    // so its relays are left running rather than waited for.
+    if matches!(result, Ok(Some(_))) {
+        for r in relays {
+            let _ = r.join();
+        }
     }
     result
 }

@@ -324,6 +324,8 @@ pub struct Runner {
 
 /// Time L1 may take to boot and load KVM (measured: 6–8 s; TCG on a loaded host is slower).
 const L1_BOOT_BUDGET: Duration = Duration::from_secs(120);
+/// How long past a job's own timeout the host waits for L1's agent to report it.
+const L1_STALL_MARGIN: Duration = Duration::from_secs(30);
 
 impl Runner {
     /// Runs `specs` one after another (nested: in one L1 boot) and returns their results.
@@ -479,7 +481,27 @@ impl Runner {
         cmd
     }
 
+    /// Runs `specs` in one L1 boot. If L1 stalls (a job overruns its timeout with no word
+    /// from L1's agent, as when L1's emulated CPUs wedge), the job it stalled on and those
+    /// after it run again, once, in a fresh L1; the rerun job's console says so.
     async fn run_nested(&self, specs: &[VmSpec]) -> Result<Vec<VmResult>, HarnessError> {
+        let mut batch = self.run_nested_once(specs).await?;
+        if let Some(stalled) = batch.stalled {
+            tracing::warn!(job = %specs[stalled].name, "L1 stalled; running the rest of the batch in a fresh L1");
+            let rerun = self.run_nested_once(&specs[stalled..]).await?;
+            let note = format!("L1: L1 stalled during this job (no word from its agent past the timeout); it ran again in a fresh L1. Stalled L1's last lines:\n{}", batch.l1_tail);
+            batch.results.truncate(stalled);
+            for (i, mut r) in rerun.results.into_iter().enumerate() {
+                if i == 0 {
+                    r.console.insert(0, note.clone());
+                }
+                batch.results.push(r);
+            }
+        }
+        Ok(batch.results)
+    }
+
+    async fn run_nested_once(&self, specs: &[VmSpec]) -> Result<NestedBatch, HarnessError> {
         let dir = tempfile::tempdir().map_err(|e| HarnessError::Prepare(e.to_string()))?;
         let (initrd, memory) = self.prepare_l1(dir.path(), specs, false)?;
         let mut qemu = spawn(&mut self.qemu(&initrd, memory, false), Path::new("qemu-system-x86_64"))?;
@@ -487,15 +509,17 @@ impl Runner {
         forward_lines(qemu.stdout.take(), tx.clone());
         forward_lines(qemu.stderr.take(), tx);
 
-        let budget = L1_BOOT_BUDGET + specs.iter().map(|s| s.timeout).sum::<Duration>() + Duration::from_secs(30);
-        let deadline = tokio::time::sleep(budget);
-        tokio::pin!(deadline);
+        let boot_deadline = tokio::time::sleep(L1_BOOT_BUDGET);
+        tokio::pin!(boot_deadline);
+        let mut tick = tokio::time::interval(Duration::from_secs(5));
         let mut consoles: Vec<Vec<String>> = vec![Vec::new(); specs.len()];
         let mut outcomes: Vec<Option<(VmOutcome, Duration)>> = vec![None; specs.len()];
         let mut time_to_ktap: Vec<Option<Duration>> = vec![None; specs.len()];
         let mut l1_lines: Vec<String> = Vec::new();
         let mut l1_error: Option<String> = None;
-        let mut current: Option<usize> = None;
+        let mut current: Option<(usize, Instant)> = None;
+        let mut stalled = None;
+        let mut ready = false;
         let started = Instant::now();
         loop {
             tokio::select! {
@@ -503,22 +527,27 @@ impl Runner {
                     let Some(line) = line else { break };
                     match classify(&line) {
                         L1Line::JobOutput(i, text) if i < specs.len() => self.take_line(&mut consoles[i], text.to_owned()),
-                        L1Line::JobStart(i) if i < specs.len() => current = Some(i),
+                        L1Line::JobStart(i) if i < specs.len() => current = Some((i, Instant::now())),
                         L1Line::Stuck(text) => match current {
-                            Some(i) => self.take_line(&mut consoles[i], format!("L1: {text}")),
+                            Some((i, _)) => self.take_line(&mut consoles[i], format!("L1: {text}")),
                             None => l1_lines.push(line.clone()),
                         },
                         L1Line::JobExit { job, code, millis } if job < specs.len() => {
                             outcomes[job] = Some((VmOutcome::Exited(code), Duration::from_millis(millis)));
+                            current = None;
                         }
                         L1Line::JobKtap { job, millis } if job < specs.len() => {
                             time_to_ktap[job] = Some(Duration::from_millis(millis));
                         }
                         L1Line::JobTimeout(job) if job < specs.len() => {
                             outcomes[job] = Some((VmOutcome::TimedOut, specs[job].timeout));
+                            current = None;
                         }
                         L1Line::Error(e) => l1_error = Some(e.to_owned()),
-                        L1Line::Ready => tracing::info!(after = ?started.elapsed(), "L1 ready"),
+                        L1Line::Ready => {
+                            ready = true;
+                            tracing::info!(after = ?started.elapsed(), "L1 ready");
+                        }
                         L1Line::Done => {}
                         _ => {
                             if self.echo && !line.trim().is_empty() {
@@ -528,15 +557,25 @@ impl Runner {
                         }
                     }
                 }
-                _ = &mut deadline => {
-                    l1_error.get_or_insert_with(|| format!("L1 did not finish within {budget:?}"));
+                _ = &mut boot_deadline, if !ready && l1_error.is_none() => {
+                    l1_error = Some(format!("L1 did not get ready within {L1_BOOT_BUDGET:?}"));
                     break;
+                }
+                _ = tick.tick() => {
+                    // L1's agent reports a job's timeout itself; past that plus a margin, L1 is wedged.
+                    if let Some((i, since)) = current {
+                        if since.elapsed() > specs[i].timeout + L1_STALL_MARGIN {
+                            stalled = Some(i);
+                            l1_error = Some(format!("L1 stalled while running {}", specs[i].name));
+                            break;
+                        }
+                    }
                 }
             }
         }
         stop(&mut qemu).await;
         let l1_tail = l1_lines[l1_lines.len().saturating_sub(TAIL_LINES)..].join("\n");
-        Ok(specs
+        let results = specs
             .iter()
             .zip(consoles)
             .zip(outcomes)
@@ -550,8 +589,16 @@ impl Runner {
                 result.time_to_ktap = ktap_at;
                 result
             })
-            .collect())
+            .collect();
+        Ok(NestedBatch { results, stalled, l1_tail })
     }
+}
+
+/// One L1 boot's results, and the job it stalled on, if it did.
+struct NestedBatch {
+    results: Vec<VmResult>,
+    stalled: Option<usize>,
+    l1_tail: String,
 }
 
 /// QEMU and what it loads (shared libraries from `ldd`, firmware), to run it inside L1 at
