@@ -211,7 +211,7 @@ impl VmSpec {
 /// How a VM ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum VmOutcome {
-    /// gdrvm exited with this status (the guest's, or gdrvm's own 125).
+    /// The VMM exited with this status (for gdrvm: the guest's, or its own 125).
     Exited(i32),
     /// The guest ran past its timeout.
     TimedOut,
