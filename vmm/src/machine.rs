@@ -17,7 +17,7 @@ use gdrvm_devices::{
 };
 use gdrvm_model::{Expectations, DEBUG_EXIT_PORT};
 use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, KVM_MAX_CPUID_ENTRIES, KVM_PIT_SPEAKER_DUMMY};
-use kvm_ioctls::{Kvm, VmFd};
+use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
@@ -25,6 +25,7 @@ use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 
 use crate::config::{ConfigError, VmConfig};
 use crate::console::{EscapeFilter, InputAction, RawTerminal};
+use crate::cpu_topology::CpuPlace;
 use crate::vcpu::{self, ExitContext, VcpuError};
 use crate::{acpi, bios, boot, cpu_topology, initrd, layout, memory};
 
@@ -128,26 +129,13 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
     let initrd = config.initrd.as_deref().map(|path| initrd::build(path, &expect)).transpose()?;
     // Host signals are read from a signalfd; block them before any thread starts.
     let signals = SignalFd::new()?;
-    let kvm_sys = Kvm::new().map_err(kvm("open /dev/kvm"))?;
-    let vm = kvm_sys.create_vm().map_err(kvm("create a VM"))?;
-    vm.set_tss_address(layout::KVM_TSS_ADDRESS as usize).map_err(kvm("set the TSS address"))?;
-    vm.set_identity_map_address(layout::KVM_IDENTITY_MAP_ADDRESS).map_err(kvm("set the identity map address"))?;
-    vm.create_irq_chip().map_err(kvm("create the in-kernel irqchip"))?;
-    let pit = kvm_pit_config { flags: KVM_PIT_SPEAKER_DUMMY, ..Default::default() };
-    vm.create_pit2(pit).map_err(kvm("create the in-kernel PIT"))?;
-
+    let (kvm_sys, vm) = create_vm()?;
     let ram = memory::create(config.memory)?;
     register_memory(&vm, &ram.memory)?;
     tracing::debug!(elapsed = ?started.elapsed(), "VM and guest RAM ready");
 
     let cpus = cpu_topology::layout(config.cpus, &config.numa);
-    let rsdp = acpi::write(&ram.memory, &cpus, &config.numa)?;
-    bios::write(&ram.memory).map_err(|_| VmmError::Host {
-        what: "write the reset vector",
-        source: std::io::Error::from_raw_os_error(libc::EFAULT),
-    })?;
-    let entry = boot::load(&ram.memory, config, initrd.as_deref(), rsdp)?;
-    vcpu::write_boot_tables(&ram.memory, entry.mode)?;
+    let entry = load_guest(&ram.memory, config, &cpus, initrd.as_deref())?;
     tracing::debug!(elapsed = ?started.elapsed(), "kernel, initrd and firmware loaded");
 
     let signal = Arc::new(GuestExitSignal::new().map_err(host("create an eventfd"))?);
@@ -159,89 +147,104 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
         drained.try_clone().map_err(host("clone an eventfd"))?,
         console.output,
     )));
-    let pio = Arc::new(port_io_bus(&signal, serial.clone())?);
-    let mmio = Arc::new(Bus::new("mmio"));
+    let ctx = ExitContext {
+        pio: Arc::new(port_io_bus(&signal, serial.clone())?),
+        mmio: Arc::new(Bus::new("mmio")),
+        signal: signal.clone(),
+        stop: Arc::new(AtomicBool::new(false)),
+    };
 
-    let base_cpuid = kvm_sys.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(kvm("read supported CPUID"))?;
-    let mut vcpus = Vec::new();
-    for (id, place) in (0u32..).zip(&cpus) {
-        // The KVM vCPU id is the APIC id; vCPU 0 (APIC id 0) is the boot CPU.
-        let fd = vm.create_vcpu(u64::from(place.apic_id)).map_err(kvm("create a vCPU"))?;
-        let boot = (id == 0).then_some(entry);
-        vcpu::configure(&fd, id, &vcpu::cpuid_for(&base_cpuid, place), boot)?;
-        vcpus.push(fd);
-    }
-
+    let vcpus = create_vcpus(&kvm_sys, &vm, &cpus, entry)?;
     tracing::debug!(elapsed = ?started.elapsed(), "vCPUs configured");
-    register_signal_handler(SIGRTMIN(), kick_handler).map_err(|e| VmmError::Host {
-        what: "install the vCPU kick handler",
-        source: std::io::Error::from_raw_os_error(e.errno()),
-    })?;
-    let vcpu_done = Arc::new(EventFd::new(libc::EFD_NONBLOCK).map_err(host("create an eventfd"))?);
-    let stop = Arc::new(AtomicBool::new(false));
-    let first_run = Arc::new(OnceLock::new());
-    let mut threads = VcpuThreads { handles: Vec::new(), stop: stop.clone() };
-    for (id, fd) in (0u32..).zip(vcpus) {
-        let ctx = ExitContext { pio: pio.clone(), mmio: mmio.clone(), signal: signal.clone(), stop: stop.clone() };
-        let (done, first_run) = (vcpu_done.clone(), first_run.clone());
-        let handle = std::thread::Builder::new()
-            .name(format!("vcpu{id}"))
-            .spawn(move || {
-                if id == 0 {
-                    let _ = first_run.set(Instant::now());
-                }
-                let result = vcpu::run(fd, id, &ctx);
-                let _ = done.write(1);
-                result
-            })
-            .map_err(host("start a vCPU thread"))?;
-        threads.handles.push(handle);
-    }
+    let mut threads = VcpuThreads::start(vcpus, &ctx)?;
 
     let _raw = if console.interactive { RawTerminal::enter(libc::STDIN_FILENO) } else { None };
-    let supervisor = Arc::new(Mutex::new(Supervisor {
+    let supervisor = Supervisor {
         exit_evt: signal.eventfd().try_clone().map_err(host("clone an eventfd"))?,
-        vcpu_done: vcpu_done.try_clone().map_err(host("clone an eventfd"))?,
+        vcpu_done: threads.done.try_clone().map_err(host("clone an eventfd"))?,
         signals,
         input: console.interactive.then(|| ConsoleInput::new(serial.clone(), drained)),
         stop: None,
-    }));
-    let mut events = EventManager::<Arc<Mutex<Supervisor>>>::new().map_err(|e| VmmError::Host {
-        what: "create the event loop",
-        source: std::io::Error::other(format!("{e:?}")),
-    })?;
-    events.add_subscriber(supervisor.clone());
-    let cause = loop {
-        if let Err(e) = events.run() {
-            tracing::warn!("event loop: {e:?}");
-        }
-        if let Some(cause) = supervisor.lock().unwrap_or_else(|p| p.into_inner()).stop {
-            break cause;
-        }
     };
+    let cause = supervise(supervisor)?;
     tracing::debug!(?cause, "stopping the vCPUs");
     let vcpu_errors = threads.stop_all();
     tracing::debug!("vCPUs stopped");
     if let Some(err) = vcpu_errors.into_iter().next() {
         return Err(err.into());
     }
-    let outcome = match cause {
-        StopCause::Guest => match signal.exit() {
-            Some(GuestExit::Reset) => Outcome::Reset,
-            _ => Outcome::PoweredOff,
-        },
-        StopCause::VcpuExited => signal.exit().map_or(Outcome::PoweredOff, |e| match e {
-            GuestExit::Reset => Outcome::Reset,
-            GuestExit::PowerOff => Outcome::PoweredOff,
-        }),
-        StopCause::Interrupted => Outcome::Interrupted,
+    let outcome = match (cause, signal.exit()) {
+        (StopCause::Interrupted, _) => Outcome::Interrupted,
+        (_, Some(GuestExit::Reset)) => Outcome::Reset,
+        _ => Outcome::PoweredOff,
     };
     Ok(RunReport {
         outcome,
         status: signal.status(),
-        setup: first_run.get().map(|t| t.duration_since(started)),
+        setup: threads.first_run.get().map(|t| t.duration_since(started)),
         rss_beyond_guest_kib: rss_beyond_guest_kib(),
     })
+}
+
+/// Opens KVM and creates the VM with its in-kernel irqchip and PIT.
+fn create_vm() -> Result<(Kvm, VmFd), VmmError> {
+    let kvm_sys = Kvm::new().map_err(kvm("open /dev/kvm"))?;
+    let vm = kvm_sys.create_vm().map_err(kvm("create a VM"))?;
+    vm.set_tss_address(layout::KVM_TSS_ADDRESS as usize).map_err(kvm("set the TSS address"))?;
+    vm.set_identity_map_address(layout::KVM_IDENTITY_MAP_ADDRESS).map_err(kvm("set the identity map address"))?;
+    vm.create_irq_chip().map_err(kvm("create the in-kernel irqchip"))?;
+    let pit = kvm_pit_config { flags: KVM_PIT_SPEAKER_DUMMY, ..Default::default() };
+    vm.create_pit2(pit).map_err(kvm("create the in-kernel PIT"))?;
+    Ok((kvm_sys, vm))
+}
+
+/// Writes the firmware (ACPI tables, reset vector), the kernel, initrd and boot structures.
+fn load_guest(
+    mem: &vm_memory::GuestMemoryMmap,
+    config: &VmConfig,
+    cpus: &[CpuPlace],
+    initrd: Option<&[u8]>,
+) -> Result<boot::BootEntry, VmmError> {
+    let rsdp = acpi::write(mem, cpus, &config.numa)?;
+    bios::write(mem).map_err(|_| VmmError::Host {
+        what: "write the reset vector",
+        source: std::io::Error::from_raw_os_error(libc::EFAULT),
+    })?;
+    let entry = boot::load(mem, config, initrd, rsdp)?;
+    vcpu::write_boot_tables(mem, entry.mode)?;
+    Ok(entry)
+}
+
+/// Creates and configures one vCPU per place; the KVM vCPU id is the APIC id, and vCPU 0
+/// (APIC id 0) is the boot CPU.
+fn create_vcpus(kvm_sys: &Kvm, vm: &VmFd, cpus: &[CpuPlace], entry: boot::BootEntry) -> Result<Vec<VcpuFd>, VmmError> {
+    let base_cpuid = kvm_sys.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(kvm("read supported CPUID"))?;
+    let mut vcpus = Vec::new();
+    for (id, place) in (0u32..).zip(cpus) {
+        let fd = vm.create_vcpu(u64::from(place.apic_id)).map_err(kvm("create a vCPU"))?;
+        let boot = (id == 0).then_some(entry);
+        vcpu::configure(&fd, id, &vcpu::cpuid_for(&base_cpuid, place), boot)?;
+        vcpus.push(fd);
+    }
+    Ok(vcpus)
+}
+
+/// Runs the event loop until something asks the VM to stop.
+fn supervise(supervisor: Supervisor) -> Result<StopCause, VmmError> {
+    let supervisor = Arc::new(Mutex::new(supervisor));
+    let mut events = EventManager::<Arc<Mutex<Supervisor>>>::new().map_err(|e| VmmError::Host {
+        what: "create the event loop",
+        source: std::io::Error::other(format!("{e:?}")),
+    })?;
+    events.add_subscriber(supervisor.clone());
+    loop {
+        if let Err(e) = events.run() {
+            tracing::warn!("event loop: {e:?}");
+        }
+        if let Some(cause) = supervisor.lock().unwrap_or_else(|p| p.into_inner()).stop {
+            return Ok(cause);
+        }
+    }
 }
 
 fn register_memory(vm: &VmFd, mem: &vm_memory::GuestMemoryMmap) -> Result<(), VmmError> {
@@ -282,9 +285,44 @@ extern "C" fn kick_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc
 struct VcpuThreads {
     handles: Vec<JoinHandle<Result<(), VcpuError>>>,
     stop: Arc<AtomicBool>,
+    /// Written by each vCPU thread as it leaves its loop.
+    done: Arc<EventFd>,
+    /// When the boot CPU first entered KVM_RUN.
+    first_run: Arc<OnceLock<Instant>>,
 }
 
 impl VcpuThreads {
+    /// Starts one thread per vCPU, each running its exit loop with `ctx`.
+    fn start(vcpus: Vec<VcpuFd>, ctx: &ExitContext) -> Result<VcpuThreads, VmmError> {
+        register_signal_handler(SIGRTMIN(), kick_handler).map_err(|e| VmmError::Host {
+            what: "install the vCPU kick handler",
+            source: std::io::Error::from_raw_os_error(e.errno()),
+        })?;
+        let mut threads = VcpuThreads {
+            handles: Vec::new(),
+            stop: ctx.stop.clone(),
+            done: Arc::new(EventFd::new(libc::EFD_NONBLOCK).map_err(host("create an eventfd"))?),
+            first_run: Arc::new(OnceLock::new()),
+        };
+        for (id, fd) in (0u32..).zip(vcpus) {
+            let ctx = ctx.clone();
+            let (done, first_run) = (threads.done.clone(), threads.first_run.clone());
+            let handle = std::thread::Builder::new()
+                .name(format!("vcpu{id}"))
+                .spawn(move || {
+                    if id == 0 {
+                        let _ = first_run.set(Instant::now());
+                    }
+                    let result = vcpu::run(fd, id, &ctx);
+                    let _ = done.write(1);
+                    result
+                })
+                .map_err(host("start a vCPU thread"))?;
+            threads.handles.push(handle);
+        }
+        Ok(threads)
+    }
+
     /// Asks every vCPU to stop, kicks it out of KVM_RUN until it does, and joins it.
     fn stop_all(&mut self) -> Vec<VcpuError> {
         self.stop.store(true, Ordering::Release);

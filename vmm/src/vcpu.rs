@@ -308,6 +308,7 @@ pub fn write_boot_tables(mem: &GuestMemoryMmap, mode: EntryMode) -> Result<(), V
 }
 
 /// What a vCPU thread needs to serve its exits.
+#[derive(Clone)]
 pub struct ExitContext {
     /// Port I/O devices.
     pub pio: Arc<Bus>,
