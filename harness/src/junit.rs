@@ -31,8 +31,7 @@ pub fn render(run_name: &str, report: &KtapReport, problem: Option<&str>) -> Str
         pass + fail + skip + errors
     );
     for suite in &report.suites {
-        let f = suite.cases.iter().filter(|c| c.outcome == CaseOutcome::Fail).count();
-        let s = suite.cases.iter().filter(|c| matches!(c.outcome, CaseOutcome::Skip(_))).count();
+        let (_, f, s) = suite.counts();
         let _ = writeln!(
             out,
             "  <testsuite name=\"{}\" tests=\"{}\" failures=\"{f}\" skipped=\"{s}\">",

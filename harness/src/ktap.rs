@@ -33,6 +33,17 @@ pub struct SuiteResult {
     pub cases: Vec<CaseResult>,
 }
 
+impl SuiteResult {
+    /// Counts of (passed, failed, skipped) checks.
+    pub fn counts(&self) -> (usize, usize, usize) {
+        self.cases.iter().fold((0, 0, 0), |(p, f, s), c| match c.outcome {
+            CaseOutcome::Pass => (p + 1, f, s),
+            CaseOutcome::Fail => (p, f + 1, s),
+            CaseOutcome::Skip(_) => (p, f, s + 1),
+        })
+    }
+}
+
 /// Everything a console carried.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct KtapReport {
@@ -55,12 +66,7 @@ impl KtapReport {
 
     /// Counts of (passed, failed, skipped) checks.
     pub fn counts(&self) -> (usize, usize, usize) {
-        let cases = self.suites.iter().flat_map(|s| &s.cases);
-        cases.fold((0, 0, 0), |(p, f, s), c| match c.outcome {
-            CaseOutcome::Pass => (p + 1, f, s),
-            CaseOutcome::Fail => (p, f + 1, s),
-            CaseOutcome::Skip(_) => (p, f, s + 1),
-        })
+        self.suites.iter().map(SuiteResult::counts).fold((0, 0, 0), |(p, f, s), (sp, sf, ss)| (p + sp, f + sf, s + ss))
     }
 }
 

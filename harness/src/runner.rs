@@ -197,8 +197,8 @@ impl VmSpec {
         if !(gdrvm_model::MIN_GUEST_MEMORY..=gdrvm_model::MAX_GUEST_MEMORY).contains(&bytes) {
             return Err(format!("memory {} is out of range: a guest needs at least 64M and at most 1T", self.memory));
         }
-        if self.cpus == 0 || self.cpus > 254 {
-            return Err(format!("cpus {} is out of range: 1 to 254", self.cpus));
+        if self.cpus == 0 || self.cpus > gdrvm_model::MAX_GUEST_CPUS {
+            return Err(format!("cpus {} is out of range: 1 to {}", self.cpus, gdrvm_model::MAX_GUEST_CPUS));
         }
         Ok(())
     }

@@ -83,6 +83,8 @@ impl Expectations {
 
 /// Smallest guest RAM a stock Linux kernel with an initramfs boots in.
 pub const MIN_GUEST_MEMORY: u64 = 64 << 20;
+/// Most vCPUs of a guest (its APIC ids must fit the 8-bit xAPIC MADT entries).
+pub const MAX_GUEST_CPUS: u32 = 254;
 /// Largest guest RAM gdrvm lays out (1 TiB).
 pub const MAX_GUEST_MEMORY: u64 = 1 << 40;
 

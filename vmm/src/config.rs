@@ -3,10 +3,7 @@
 use std::path::PathBuf;
 
 use gdrvm_model::node::NumaNode;
-use gdrvm_model::{MAX_GUEST_MEMORY as MAX_MEMORY, MIN_GUEST_MEMORY as MIN_MEMORY};
-
-/// Most vCPUs (MADT local APIC entries are 8-bit; x2APIC comes with the topology work).
-pub const MAX_CPUS: u32 = 254;
+use gdrvm_model::{MAX_GUEST_CPUS as MAX_CPUS, MAX_GUEST_MEMORY as MAX_MEMORY, MIN_GUEST_MEMORY as MIN_MEMORY};
 
 /// Errors in a VM configuration.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -84,7 +81,7 @@ impl VmConfig {
             }
         }
         let top = crate::cpu_topology::layout(self.cpus, &self.numa).iter().map(|c| c.apic_id).max().unwrap_or(0);
-        if top > 254 {
+        if top > MAX_CPUS {
             return Err(ConfigError::ApicIds(top));
         }
         check_readable("kernel", &self.kernel)?;

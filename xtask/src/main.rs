@@ -203,11 +203,7 @@ fn report(result: &VmResult) -> Result<i32> {
     let problem = result.problem();
     std::fs::write(&junit_path, junit::render(&result.name, &result.ktap, problem.as_deref()))?;
     for suite in &result.ktap.suites {
-        let (p, f, s) = suite.cases.iter().fold((0, 0, 0), |(p, f, s), c| match c.outcome {
-            gdrvm_harness::ktap::CaseOutcome::Pass => (p + 1, f, s),
-            gdrvm_harness::ktap::CaseOutcome::Fail => (p, f + 1, s),
-            gdrvm_harness::ktap::CaseOutcome::Skip(_) => (p, f, s + 1),
-        });
+        let (p, f, s) = suite.counts();
         println!(
             "xtask: suite {}: {} ({p} passed, {f} failed, {s} skipped)",
             suite.name,
