@@ -462,7 +462,9 @@ impl Runner {
 
     fn qemu(&self, initrd: &Path, memory_mib: u64, interactive: bool) -> Command {
         let mut cmd = Command::new("qemu-system-x86_64");
-        cmd.args(["-accel", "tcg,thread=multi", "-cpu", "max", "-smp", "2", "-m"])
+        // 46 physical address bits, as server CPUs have: TCG's default 40 cannot place the
+        // 64-bit windows of 128 GiB GPU BARs above RAM.
+        cmd.args(["-accel", "tcg,thread=multi", "-cpu", "max,phys-bits=46", "-smp", "2", "-m"])
             .arg(format!("{memory_mib}M"))
             .args(["-nodefaults", "-display", "none", "-vga", "none", "-no-reboot"])
             .arg("-kernel")

@@ -5,6 +5,7 @@
 //! the agent never links the VMM (dependency arrows: agent ← model → vmm).
 
 pub mod l1;
+pub mod nccl;
 pub mod node;
 
 use serde::{Deserialize, Serialize};
@@ -27,6 +28,68 @@ pub struct Expectations {
     /// NUMA nodes, when the VM has more than one.
     #[serde(default)]
     pub numa: Vec<NumaExpectation>,
+    /// Every PCI function, parents before children.
+    #[serde(default)]
+    pub pci: Vec<PciExpectation>,
+    /// NCCL's path type for every GPU-NIC and GPU-GPU pair.
+    #[serde(default)]
+    pub paths: Vec<PathExpectation>,
+}
+
+/// One PCI function as the guest must see it in sysfs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PciExpectation {
+    /// Name in the node description.
+    pub name: String,
+    /// `gpu`, `nic`, `nvswitch`, `endpoint`, `root_port`, `switch_upstream`,
+    /// `switch_downstream` or `host_bridge`.
+    pub kind: String,
+    /// `0000:03:00.0`.
+    pub bdf: String,
+    /// The functions above it, nearest first (its sysfs path read backwards).
+    pub parents: Vec<String>,
+    /// Vendor ID.
+    pub vendor: u16,
+    /// Device ID.
+    pub device: u16,
+    /// Class code.
+    pub class: u32,
+    /// Subsystem vendor and device, when set.
+    pub subsystem: Option<(u16, u16)>,
+    /// `numa_node`.
+    pub numa_node: i32,
+    /// The PCIe link, for functions with a PCIe capability.
+    pub link: Option<LinkExpectation>,
+    /// ACS extended capability present.
+    pub acs: bool,
+    /// ATS extended capability present.
+    pub ats: bool,
+    /// MSI-X capability present.
+    pub msix: bool,
+}
+
+/// A link as sysfs writes it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LinkExpectation {
+    /// `max_link_speed`, e.g. `16.0 GT/s PCIe`.
+    pub max_speed: String,
+    /// `max_link_width`.
+    pub max_width: u8,
+    /// `current_link_speed` and `current_link_width`; `None` when the link is down.
+    pub current: Option<(String, u8)>,
+}
+
+/// NCCL's path between two devices.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PathExpectation {
+    /// First device (a GPU).
+    pub a: String,
+    /// Second device (a NIC or GPU).
+    pub b: String,
+    /// Path type.
+    pub path: nccl::PathType,
+    /// For GPU-NIC pairs: whether NCCL would use GPUDirect RDMA.
+    pub gdr: Option<bool>,
 }
 
 /// One NUMA node as the guest must see it.
@@ -56,9 +119,10 @@ pub struct ImageManifest {
 }
 
 impl Expectations {
-    /// The expectations of a VM with `cpus` vCPUs and `memory` bytes over `numa` (vCPUs are
+    /// The expectations of a VM with `cpus` vCPUs and `memory` bytes on `node` (vCPUs are
     /// handed to the NUMA nodes in order, as the VMM does).
-    pub fn new(cpus: u32, memory: u64, numa: &[node::NumaNode]) -> Self {
+    pub fn new(cpus: u32, memory: u64, node: &node::Node) -> Self {
+        let numa = &node.numa;
         let mut next = 0;
         let numa = if numa.len() > 1 {
             numa.iter()
@@ -71,7 +135,8 @@ impl Expectations {
         } else {
             Vec::new()
         };
-        Expectations { cpus, memory_bytes: memory, numa }
+        let (pci, paths) = node.pci_expectations();
+        Expectations { cpus, memory_bytes: memory, numa, pci, paths }
     }
 
     /// Serializes to the JSON stored at [`EXPECT_PATH`].

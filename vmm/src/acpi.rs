@@ -1,9 +1,11 @@
-//! The firmware tables: RSDP, XSDT, FADT (hardware-reduced), MADT and DSDT, built with
-//! `acpi_tables` and written into the BIOS area of guest memory.
+//! The firmware tables: RSDP, XSDT, FADT (hardware-reduced), MADT, DSDT (one PCI host
+//! bridge per model host bridge), MCFG, SRAT and SLIT, built with `acpi_tables` and written
+//! into the BIOS area of guest memory.
 
 use acpi_tables::fadt::{FADTBuilder, Flags};
 use acpi_tables::gas::{AccessSize, AddressSpace, GAS};
 use acpi_tables::madt::{EnabledStatus, IoApic, LocalInterruptController, ProcessorLocalApic, MADT};
+use acpi_tables::mcfg::MCFG;
 use acpi_tables::rsdp::Rsdp;
 use acpi_tables::sdt::Sdt;
 use acpi_tables::slit::SLIT;
@@ -11,7 +13,7 @@ use acpi_tables::srat::{MemoryAffinity, SRAT};
 use acpi_tables::xsdt::XSDT;
 use acpi_tables::{aml, Aml};
 use gdrvm_devices::{ACPI_RESET_PORT, ACPI_RESET_VALUE, ACPI_SLEEP_PORT, COM1_IRQ, COM1_PORT, S5_SLEEP_TYPE};
-use gdrvm_model::node::NumaNode;
+use gdrvm_model::node::{HostBridge, Node, NumaNode, ECAM_BASE, ECAM_SIZE};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 use crate::cpu_topology::CpuPlace;
@@ -44,11 +46,12 @@ pub enum AcpiError {
     GuestWrite(String),
 }
 
-/// Builds every table for a machine with `cpus` vCPUs and, with two NUMA nodes or more,
-/// their SRAT and SLIT; laid out from [`layout::ACPI_START`]. The RSDP comes first, at the
-/// start of the area where legacy scans look for it.
-pub fn build(cpus: &[CpuPlace], numa: &[NumaNode]) -> Vec<PlacedTable> {
-    let dsdt = dsdt();
+/// Builds every table for a machine with `cpus` vCPUs on `node`, laid out from
+/// [`layout::ACPI_START`]. The RSDP comes first, at the start of the area where legacy scans
+/// look for it.
+pub fn build(cpus: &[CpuPlace], node: &Node) -> Vec<PlacedTable> {
+    let numa = &node.numa;
+    let dsdt = dsdt(&node.host_bridges);
     let madt = madt(cpus);
     let mut next = layout::ACPI_START + Rsdp::len() as u64;
     let mut place = |bytes: Vec<u8>| {
@@ -60,10 +63,10 @@ pub fn build(cpus: &[CpuPlace], numa: &[NumaNode]) -> Vec<PlacedTable> {
     let (fadt_addr, fadt) = place(fadt(dsdt_addr));
     let (madt_addr, madt) = place(madt);
     let mut tables = vec![(dsdt_addr, dsdt), (fadt_addr, fadt), (madt_addr, madt)];
-    if numa.len() > 1 {
-        tables.push(place(srat(cpus, numa)));
-        tables.push(place(slit(numa)));
-    }
+    tables.push(place(mcfg()));
+    // Always, one NUMA node included: without SRAT, Linux gives PCI devices numa_node -1.
+    tables.push(place(srat(cpus, numa)));
+    tables.push(place(slit(numa)));
     let mut xsdt = XSDT::new(OEM_ID, OEM_TABLE_ID, OEM_REVISION);
     for (addr, _) in &tables[1..] {
         xsdt.add_entry(*addr);
@@ -79,8 +82,8 @@ pub fn build(cpus: &[CpuPlace], numa: &[NumaNode]) -> Vec<PlacedTable> {
 }
 
 /// Writes the tables into guest memory; returns the RSDP's address.
-pub fn write(mem: &GuestMemoryMmap, cpus: &[CpuPlace], numa: &[NumaNode]) -> Result<u64, AcpiError> {
-    let tables = build(cpus, numa);
+pub fn write(mem: &GuestMemoryMmap, cpus: &[CpuPlace], node: &Node) -> Result<u64, AcpiError> {
+    let tables = build(cpus, node);
     let end = tables.iter().map(|t| t.addr + t.bytes.len() as u64).max().unwrap_or(layout::ACPI_START);
     if end > layout::BIOS_END {
         return Err(AcpiError::TooBig(end - layout::ACPI_START));
@@ -177,12 +180,23 @@ fn slit(numa: &[NumaNode]) -> Vec<u8> {
     to_bytes(&slit)
 }
 
-fn dsdt() -> Vec<u8> {
+/// MCFG: ECAM for all 256 buses of segment 0.
+fn mcfg() -> Vec<u8> {
+    let mut mcfg = MCFG::new(OEM_ID, OEM_TABLE_ID, OEM_REVISION);
+    mcfg.add_ecam(ECAM_BASE, 0, 0, 255);
+    to_bytes(&mcfg)
+}
+
+fn dsdt(host_bridges: &[HostBridge]) -> Vec<u8> {
     let mut body = Vec::new();
     // \_S5: the sleep type the OS writes to the sleep control register to power off.
     let s5 = aml::Package::new(vec![&S5_SLEEP_TYPE, &0u8, &0u8, &0u8]);
     aml::Name::new("_S5_".into(), &s5).to_aml_bytes(&mut body);
     Com1.to_aml_bytes(&mut body);
+    for (uid, hb) in host_bridges.iter().enumerate() {
+        PciHostBridge { uid: uid as u32, hb }.to_aml_bytes(&mut body);
+    }
+    EcamReservation.to_aml_bytes(&mut body);
     let mut dsdt = Sdt::new(*b"DSDT", 36, 6, OEM_ID, OEM_TABLE_ID, OEM_REVISION);
     dsdt.append_slice(&body);
     dsdt.as_slice().to_vec()
@@ -201,6 +215,82 @@ impl Aml for Com1 {
             "\\_SB_".into(),
             vec![&aml::Device::new(
                 "COM1".into(),
+                vec![
+                    &aml::Name::new("_HID".into(), &hid),
+                    &aml::Name::new("_UID".into(), &0u8),
+                    &aml::Name::new("_CRS".into(), &crs),
+                ],
+            )],
+        )
+        .to_aml_bytes(sink);
+    }
+}
+
+/// A PCI Express host bridge (PNP0A08, compatible PNP0A03) with its segment, root bus,
+/// NUMA node and windows, like QEMU's pxb-pcie.
+struct PciHostBridge<'a> {
+    uid: u32,
+    hb: &'a HostBridge,
+}
+
+impl Aml for PciHostBridge<'_> {
+    fn to_aml_bytes(&self, sink: &mut dyn acpi_tables::AmlSink) {
+        let hb = self.hb;
+        let (hid, cid) = (aml::EISAName::new("PNP0A08"), aml::EISAName::new("PNP0A03"));
+        let buses = aml::AddressSpace::new_bus_number(u16::from(hb.first_bus), u16::from(hb.last_bus));
+        let mem32 = hb.mem32.map(|w| {
+            aml::AddressSpace::new_memory(
+                aml::AddressSpaceCacheable::NotCacheable,
+                true,
+                w.base as u32,
+                w.last() as u32,
+                None,
+            )
+        });
+        let mem64 = hb.mem64.map(|w| {
+            aml::AddressSpace::new_memory(aml::AddressSpaceCacheable::PreFetchable, true, w.base, w.last(), None)
+        });
+        let mut resources: Vec<&dyn Aml> = vec![&buses];
+        if let Some(m) = &mem32 {
+            resources.push(m);
+        }
+        if let Some(m) = &mem64 {
+            resources.push(m);
+        }
+        let crs = aml::ResourceTemplate::new(resources);
+        let (bbn, pxm) = (u32::from(hb.first_bus), hb.numa);
+        aml::Scope::new(
+            "\\_SB_".into(),
+            vec![&aml::Device::new(
+                format!("PC{:02X}", self.uid).as_str().into(),
+                vec![
+                    &aml::Name::new("_HID".into(), &hid),
+                    &aml::Name::new("_CID".into(), &cid),
+                    &aml::Name::new("_UID".into(), &self.uid),
+                    &aml::Name::new("_SEG".into(), &0u32),
+                    &aml::Name::new("_BBN".into(), &bbn),
+                    &aml::Name::new("_PXM".into(), &pxm),
+                    &aml::Name::new("_CRS".into(), &crs),
+                ],
+            )],
+        )
+        .to_aml_bytes(sink);
+    }
+}
+
+/// A motherboard resource (PNP0C02) claiming the ECAM area, as Linux requires before it
+/// trusts MCFG.
+struct EcamReservation;
+
+impl Aml for EcamReservation {
+    fn to_aml_bytes(&self, sink: &mut dyn acpi_tables::AmlSink) {
+        let hid = aml::EISAName::new("PNP0C02");
+        let ecam = aml::Memory32Fixed::new(false, ECAM_BASE as u32, ECAM_SIZE as u32);
+        let crs = aml::ResourceTemplate::new(vec![&ecam]);
+        aml::Scope::new(
+            "\\_SB_".into(),
+            vec![&aml::Device::new(
+                "ECAM".into(),
                 vec![
                     &aml::Name::new("_HID".into(), &hid),
                     &aml::Name::new("_UID".into(), &0u8),
@@ -234,13 +324,13 @@ mod tests {
 
     #[test]
     fn test_tables_checksum_and_link_up() {
-        let tables = build(&cpu_topology::layout(4, &[]), &[]);
+        let tables = build(&cpu_topology::layout(4, &[]), &Node::plain(4, 1 << 30));
         let sigs: Vec<_> = tables.iter().map(|t| t.signature.as_str()).collect();
-        assert_eq!(sigs, ["RSD ", "DSDT", "FACP", "APIC", "XSDT"]);
+        assert_eq!(sigs, ["RSD ", "DSDT", "FACP", "APIC", "MCFG", "SRAT", "SLIT", "XSDT"]);
         let rsdp = &tables[0].bytes;
         assert!(checksum_ok(&rsdp[..20]) && checksum_ok(rsdp));
         let xsdt_addr = u64::from_le_bytes(rsdp[24..32].try_into().unwrap());
-        assert_eq!(xsdt_addr, tables[4].addr);
+        assert_eq!(xsdt_addr, tables[7].addr);
         for t in &tables[1..] {
             assert!(checksum_ok(&t.bytes), "{} checksum", t.signature);
             let len = u32::from_le_bytes(t.bytes[4..8].try_into().unwrap()) as usize;
@@ -258,42 +348,40 @@ mod tests {
 
     #[test]
     fn test_table_bytes_snapshot() {
-        let dump: String = build(&cpu_topology::layout(2, &[]), &[])
+        let dump: String = build(&cpu_topology::layout(2, &[]), &Node::plain(2, 1 << 30))
             .iter()
             .map(|t| format!("{} @ {:#x}\n{}\n", t.signature, t.addr, hexdump(&t.bytes)))
             .collect();
         insta::assert_snapshot!(dump);
     }
 
-    fn two_nodes() -> Vec<NumaNode> {
-        vec![
-            NumaNode { id: 0, cpus: 1, memory: 512 << 20, distances: vec![10, 21] },
-            NumaNode { id: 1, cpus: 1, memory: 512 << 20, distances: vec![21, 10] },
-        ]
+    /// vela-a100 scaled to two vCPUs and 1 GiB: two NUMA nodes, five host bridges.
+    fn vela() -> Node {
+        Node::preset("vela-a100").unwrap().unwrap().scaled(Some(2), Some(1 << 30)).unwrap()
     }
 
     #[test]
     fn test_numa_tables() {
-        let nodes = two_nodes();
-        let tables = build(&cpu_topology::layout(2, &nodes), &nodes);
+        let node = vela();
+        let tables = build(&cpu_topology::layout(2, &node.numa), &node);
         let sigs: Vec<_> = tables.iter().map(|t| t.signature.as_str()).collect();
-        assert_eq!(sigs, ["RSD ", "DSDT", "FACP", "APIC", "SRAT", "SLIT", "XSDT"]);
+        assert_eq!(sigs, ["RSD ", "DSDT", "FACP", "APIC", "MCFG", "SRAT", "SLIT", "XSDT"]);
         for t in &tables[1..] {
             assert!(checksum_ok(&t.bytes), "{} checksum", t.signature);
             assert_eq!(u32::from_le_bytes(t.bytes[4..8].try_into().unwrap()) as usize, t.bytes.len());
         }
         // SRAT: 48-byte header, two memory affinities (40 bytes), two x2APIC affinities (24).
-        let srat = &tables[4].bytes;
+        let srat = &tables[5].bytes;
         assert_eq!(srat.len(), 48 + 2 * 40 + 2 * 24);
         let cpu1 = &srat[48 + 80 + 24..];
         assert_eq!((cpu1[0], cpu1[1]), (2, 24));
         assert_eq!(u32::from_le_bytes(cpu1[4..8].try_into().unwrap()), 1, "proximity domain");
         assert_eq!(u32::from_le_bytes(cpu1[8..12].try_into().unwrap()), 1, "x2APIC id");
         // SLIT: 8-byte locality count, then the matrix.
-        assert_eq!(&tables[5].bytes[36..], &[2, 0, 0, 0, 0, 0, 0, 0, 10, 21, 21, 10]);
-        // The XSDT lists FADT, MADT, SRAT and SLIT.
-        assert_eq!(tables[6].bytes.len(), 36 + 4 * 8);
-        insta::assert_snapshot!(tables[4..6]
+        assert_eq!(&tables[6].bytes[36..], &[2, 0, 0, 0, 0, 0, 0, 0, 10, 21, 21, 10]);
+        // The XSDT lists FADT, MADT, MCFG, SRAT and SLIT.
+        assert_eq!(tables[7].bytes.len(), 36 + 5 * 8);
+        insta::assert_snapshot!(tables[4..7]
             .iter()
             .map(|t| format!("{} @ {:#x}\n{}\n", t.signature, t.addr, hexdump(&t.bytes)))
             .collect::<String>());
@@ -307,14 +395,31 @@ mod tests {
             return;
         }
         let dir = tempfile::tempdir().unwrap();
-        let nodes = two_nodes();
-        for t in build(&cpu_topology::layout(2, &nodes), &nodes).iter().filter(|t| t.signature != "RSD ") {
-            let path = dir.path().join(format!("{}.dat", t.signature.to_lowercase()));
-            std::fs::write(&path, &t.bytes).unwrap();
-            let out = std::process::Command::new("iasl").arg("-d").arg(&path).current_dir(dir.path()).output().unwrap();
-            let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
-            assert!(out.status.success(), "iasl -d {}: {text}", t.signature);
-            assert!(!text.contains("Error") && !text.contains("Warning"), "iasl -d {}: {text}", t.signature);
+        for node in [vela(), Node::preset("flat").unwrap().unwrap(), Node::plain(1, 1 << 30)] {
+            let cpus = cpu_topology::layout(node.numa.len() as u32, &node.numa);
+            for t in build(&cpus, &node).iter().filter(|t| t.signature != "RSD ") {
+                let dsl = disassemble(dir.path(), t);
+                if node.name == "vela-a100" && ["DSDT", "MCFG"].contains(&t.signature.as_str()) {
+                    insta::assert_snapshot!(format!("vela_a100_{}", t.signature.to_lowercase()), dsl);
+                }
+            }
         }
+    }
+
+    /// `iasl -d` of one table, requiring no errors or warnings; the disassembly without
+    /// iasl's header comment (which names the tool version and date).
+    fn disassemble(dir: &std::path::Path, t: &PlacedTable) -> String {
+        let path = dir.join(format!("{}.dat", t.signature.to_lowercase()));
+        std::fs::write(&path, &t.bytes).unwrap();
+        let out = std::process::Command::new("iasl").arg("-d").arg(&path).current_dir(dir).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "iasl -d {}: {text}", t.signature);
+        assert!(!text.contains("Error") && !text.contains("Warning"), "iasl -d {}: {text}", t.signature);
+        let dsl = std::fs::read_to_string(path.with_extension("dsl")).unwrap();
+        dsl.lines()
+            .skip_while(|l| l.starts_with("/*") || l.starts_with(" *"))
+            .filter(|l| !l.contains("Checksum") && !l.contains("Compiler Version") && !l.contains("Compiler ID"))
+            .collect::<Vec<_>>()
+            .join("\n")
     }
 }

@@ -291,7 +291,7 @@ mod tests {
             cmdline: "console=ttyS0 quiet".into(),
             cpus: 1,
             memory: 64 * MIB,
-            numa: vec![],
+            node: gdrvm_model::node::Node::plain(1, 64 * MIB),
         }
     }
 
@@ -305,7 +305,7 @@ mod tests {
         assert_eq!(info.magic, XEN_HVM_START_MAGIC);
         assert_eq!(info.rsdp_paddr, layout::ACPI_START);
         assert_eq!(info.nr_modules, 1);
-        assert_eq!(info.memmap_entries, 3);
+        assert_eq!(info.memmap_entries, 4, "low RAM, BIOS area, RAM, ECAM");
         let module: hvm_modlist_entry = m.read_obj(GuestAddress(info.modlist_paddr)).unwrap();
         assert_eq!(module.size, 12);
         assert_eq!(module.paddr % 4096, 0);
@@ -331,7 +331,7 @@ mod tests {
         assert_eq!({ params.hdr.boot_flag }, KERNEL_BOOT_FLAG_MAGIC);
         assert_eq!({ params.hdr.cmd_line_ptr }, layout::CMDLINE_START as u32);
         assert_eq!({ params.acpi_rsdp_addr }, layout::ACPI_START);
-        assert_eq!(params.e820_entries, 3);
+        assert_eq!(params.e820_entries, 4);
         assert_eq!({ params.hdr.ramdisk_size }, 0);
     }
 

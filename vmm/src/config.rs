@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use gdrvm_model::node::NumaNode;
+use gdrvm_model::node::Node;
 use gdrvm_model::{MAX_GUEST_CPUS as MAX_CPUS, MAX_GUEST_MEMORY as MAX_MEMORY, MIN_GUEST_MEMORY as MIN_MEMORY};
 
 /// Errors in a VM configuration.
@@ -32,6 +32,19 @@ pub enum ConfigError {
     /// The vCPU layout needs APIC ids the xAPIC MADT cannot hold.
     #[error("the vCPU layout needs APIC id {0}, above the 254 an xAPIC MADT holds: fewer vCPUs per NUMA node")]
     ApicIds(u32),
+    /// The node's PCI windows reach beyond what the vCPUs can address.
+    #[error(
+        "node {node}: its PCI windows reach {highest:#x}, beyond the {bits} physical address bits of this \
+         host's CPUs: use a node with smaller or fewer 64-bit BARs"
+    )]
+    AddressBits {
+        /// Node name.
+        node: String,
+        /// Highest address used.
+        highest: u64,
+        /// The vCPUs' physical address bits.
+        bits: u32,
+    },
     /// A node description is unusable.
     #[error(transparent)]
     Node(#[from] gdrvm_model::node::NodeError),
@@ -60,9 +73,9 @@ pub struct VmConfig {
     pub cpus: u32,
     /// Guest RAM in bytes.
     pub memory: u64,
-    /// NUMA nodes (from a node description); empty for one node holding everything.
-    /// Their CPUs and memory add up to `cpus` and `memory`.
-    pub numa: Vec<NumaNode>,
+    /// The node: NUMA nodes (their CPUs and memory add up to `cpus` and `memory`) and the
+    /// PCIe tree. [`Node::plain`] when no node description was given.
+    pub node: Node,
 }
 
 impl VmConfig {
@@ -74,13 +87,13 @@ impl VmConfig {
         if self.cpus == 0 || self.cpus > MAX_CPUS {
             return Err(ConfigError::CpusOutOfRange(self.cpus));
         }
-        if !self.numa.is_empty() {
-            let (cpus, memory) = (self.numa.iter().map(|n| n.cpus).sum(), self.numa.iter().map(|n| n.memory).sum());
+        {
+            let (cpus, memory) = (self.node.cpus(), self.node.memory());
             if (cpus, memory) != (self.cpus, self.memory) {
                 return Err(ConfigError::NumaMismatch { cpus, memory, want_cpus: self.cpus, want_memory: self.memory });
             }
         }
-        let top = crate::cpu_topology::layout(self.cpus, &self.numa).iter().map(|c| c.apic_id).max().unwrap_or(0);
+        let top = crate::cpu_topology::layout(self.cpus, &self.node.numa).iter().map(|c| c.apic_id).max().unwrap_or(0);
         if top > MAX_CPUS {
             return Err(ConfigError::ApicIds(top));
         }
@@ -128,12 +141,21 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let kernel = dir.path().join("vmlinux");
         std::fs::write(&kernel, b"x").unwrap();
-        let mut cfg = VmConfig { kernel, initrd: None, cmdline: String::new(), cpus: 1, memory: 1 << 20, numa: vec![] };
+        let mut cfg = VmConfig {
+            kernel,
+            initrd: None,
+            cmdline: String::new(),
+            cpus: 1,
+            memory: 1 << 20,
+            node: Node::plain(1, 64 << 20),
+        };
         assert_eq!(cfg.validate(), Err(ConfigError::MemoryOutOfRange(1 << 20)));
         cfg.memory = 256 << 20;
         cfg.cpus = 0;
         assert_eq!(cfg.validate(), Err(ConfigError::CpusOutOfRange(0)));
         cfg.cpus = 2;
+        assert!(matches!(cfg.validate(), Err(ConfigError::NumaMismatch { .. })));
+        cfg.node = Node::plain(2, 256 << 20);
         assert_eq!(cfg.validate(), Ok(()));
         cfg.kernel = dir.path().join("missing");
         let err = cfg.validate().unwrap_err().to_string();

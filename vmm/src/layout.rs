@@ -34,7 +34,8 @@ pub const BIOS_END: u64 = 0x10_0000;
 /// Where the kernel may be loaded from (the ELF's physical addresses are at or above this).
 pub const HIMEM_START: u64 = 0x10_0000;
 /// Start of the 32-bit MMIO hole (PCI windows, ECAM, IOAPIC, LAPIC); RAM resumes at 4 GiB.
-pub const MMIO_HOLE_START: u64 = 0xc000_0000;
+pub const MMIO_HOLE_START: u64 = gdrvm_model::node::MMIO32_BASE;
+pub use gdrvm_model::node::{ECAM_BASE, ECAM_SIZE};
 /// First address above 4 GiB.
 pub const FOUR_GIB: u64 = 0x1_0000_0000;
 /// IOAPIC MMIO base.
@@ -85,6 +86,8 @@ pub fn e820_map(memory: u64) -> Vec<E820Entry> {
     if low > HIMEM_START {
         map.push(E820Entry { addr: HIMEM_START, size: low - HIMEM_START, kind: E820Kind::Ram });
     }
+    // PCIe ECAM: reserved, so Linux trusts MCFG already at its early check.
+    map.push(E820Entry { addr: ECAM_BASE, size: ECAM_SIZE, kind: E820Kind::Reserved });
     if memory > MMIO_HOLE_START {
         map.push(E820Entry { addr: FOUR_GIB, size: memory - MMIO_HOLE_START, kind: E820Kind::Ram });
     }
@@ -136,6 +139,7 @@ mod tests {
                 E820Entry { addr: 0, size: 0x9fc00, kind: E820Kind::Ram },
                 E820Entry { addr: 0x9fc00, size: 0x60400, kind: E820Kind::Reserved },
                 E820Entry { addr: 0x10_0000, size: 512 * MIB - 0x10_0000, kind: E820Kind::Ram },
+                E820Entry { addr: 0xe000_0000, size: 256 * MIB, kind: E820Kind::Reserved },
             ]
         );
         let ram: u64 = map.iter().filter(|e| e.kind == E820Kind::Ram).map(|e| e.size).sum();
@@ -158,6 +162,7 @@ mod tests {
         assert_eq!(high.addr, FOUR_GIB);
         assert_eq!(high.size, 8 * GIB - MMIO_HOLE_START);
         assert_eq!(map[2].addr + map[2].size, MMIO_HOLE_START);
+        assert_eq!((map[3].addr, map[3].kind), (ECAM_BASE, E820Kind::Reserved));
         assert_eq!(ram_ranges(8 * GIB), vec![(0, MMIO_HOLE_START), (FOUR_GIB, 5 * GIB)]);
         assert!(map.windows(2).all(|w| w[0].addr + w[0].size <= w[1].addr));
     }

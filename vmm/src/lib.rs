@@ -11,6 +11,7 @@ pub mod initrd;
 pub mod layout;
 pub mod machine;
 pub mod memory;
+pub mod pci;
 pub mod vcpu;
 
 pub use config::{parse_size, ConfigError, VmConfig};

@@ -15,6 +15,7 @@ use gdrvm_devices::{
     AcpiSleepControl, Bus, BusDevice, DebugExit, GuestExit, GuestExitSignal, ResetRegister, Serial, SerialInput,
     ACPI_RESET_PORT, ACPI_SLEEP_PORT, COM1_IRQ, COM1_PORT, I8042,
 };
+use gdrvm_model::node::Node;
 use gdrvm_model::{Expectations, DEBUG_EXIT_PORT};
 use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, KVM_MAX_CPUID_ENTRIES, KVM_PIT_SPEAKER_DUMMY};
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
@@ -26,6 +27,7 @@ use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 use crate::config::{ConfigError, VmConfig};
 use crate::console::{EscapeFilter, InputAction, RawTerminal};
 use crate::cpu_topology::CpuPlace;
+use crate::pci::{ConfigIo, Ecam, PciSegment, CONFIG_IO_LEN, CONFIG_IO_PORT};
 use crate::vcpu::{self, ExitContext, VcpuError};
 use crate::{acpi, bios, boot, cpu_topology, initrd, layout, memory};
 
@@ -125,7 +127,7 @@ pub struct ConsoleOptions {
 pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Result<RunReport, VmmError> {
     config.validate()?;
     // Every input is checked before KVM is touched.
-    let expect = Expectations::new(config.cpus, config.memory, &config.numa);
+    let expect = Expectations::new(config.cpus, config.memory, &config.node);
     let initrd = config.initrd.as_deref().map(|path| initrd::build(path, &expect)).transpose()?;
     // Host signals are read from a signalfd; block them before any thread starts.
     let signals = SignalFd::new()?;
@@ -134,7 +136,9 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
     register_memory(&vm, &ram.memory)?;
     tracing::debug!(elapsed = ?started.elapsed(), "VM and guest RAM ready");
 
-    let cpus = cpu_topology::layout(config.cpus, &config.numa);
+    check_address_bits(&kvm_sys, &config.node)?;
+    let pci = Arc::new(Mutex::new(PciSegment::new(&config.node)));
+    let cpus = cpu_topology::layout(config.cpus, &config.node.numa);
     let entry = load_guest(&ram.memory, config, &cpus, initrd.as_deref())?;
     tracing::debug!(elapsed = ?started.elapsed(), "kernel, initrd and firmware loaded");
 
@@ -148,8 +152,8 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
         console.output,
     )));
     let ctx = ExitContext {
-        pio: Arc::new(port_io_bus(&signal, serial.clone())?),
-        mmio: Arc::new(Bus::new("mmio")),
+        pio: Arc::new(port_io_bus(&signal, serial.clone(), &pci)?),
+        mmio: Arc::new(mmio_bus(&pci)?),
         signal: signal.clone(),
         stop: Arc::new(AtomicBool::new(false)),
     };
@@ -205,7 +209,7 @@ fn load_guest(
     cpus: &[CpuPlace],
     initrd: Option<&[u8]>,
 ) -> Result<boot::BootEntry, VmmError> {
-    let rsdp = acpi::write(mem, cpus, &config.numa)?;
+    let rsdp = acpi::write(mem, cpus, &config.node)?;
     bios::write(mem).map_err(|_| VmmError::Host {
         what: "write the reset vector",
         source: std::io::Error::from_raw_os_error(libc::EFAULT),
@@ -267,14 +271,40 @@ fn register_memory(vm: &VmFd, mem: &vm_memory::GuestMemoryMmap) -> Result<(), Vm
     Ok(())
 }
 
-fn port_io_bus(signal: &Arc<GuestExitSignal>, serial: Arc<Mutex<Serial>>) -> Result<Bus, VmmError> {
+/// Fails when the node's PCI windows reach beyond the guest-physical addresses the vCPUs
+/// can address (CPUID 0x8000_0008 EAX[7:0]).
+fn check_address_bits(kvm_sys: &Kvm, node: &Node) -> Result<(), VmmError> {
+    let cpuid = kvm_sys.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(kvm("read the supported CPUID"))?;
+    let bits = cpuid.as_slice().iter().find(|e| e.function == 0x8000_0008).map_or(36, |e| e.eax & 0xff);
+    let highest = node.highest_mmio();
+    if bits < 64 && highest >> bits != 0 {
+        return Err(ConfigError::AddressBits { node: node.name.clone(), highest, bits }.into());
+    }
+    Ok(())
+}
+
+/// ECAM on the MMIO bus; everything else there (BARs) is unbacked and reads as all-ones.
+fn mmio_bus(pci: &Arc<Mutex<PciSegment>>) -> Result<Bus, VmmError> {
+    let mut mmio = Bus::new("mmio");
+    mmio.insert(Arc::new(Mutex::new(Ecam(pci.clone()))), layout::ECAM_BASE, layout::ECAM_SIZE)?;
+    Ok(mmio)
+}
+
+fn port_io_bus(
+    signal: &Arc<GuestExitSignal>,
+    serial: Arc<Mutex<Serial>>,
+    pci: &Arc<Mutex<PciSegment>>,
+) -> Result<Bus, VmmError> {
     let mut pio = Bus::new("pio");
     let mut add = |dev: Arc<Mutex<dyn BusDevice>>, port: u16, len: u64| pio.insert(dev, u64::from(port), len);
     add(serial, COM1_PORT, 8)?;
     add(Arc::new(Mutex::new(DebugExit::new(signal.clone()))), DEBUG_EXIT_PORT, 1)?;
     add(Arc::new(Mutex::new(I8042::new(signal.clone()))), I8042::PORT, I8042::LEN)?;
     add(Arc::new(Mutex::new(AcpiSleepControl::new(signal.clone()))), ACPI_SLEEP_PORT, 2)?;
-    add(Arc::new(Mutex::new(ResetRegister::new(signal.clone()))), ACPI_RESET_PORT, 1)?;
+    // The reset register at 0xcf9 sits inside the type-1 config ports, as on a PC.
+    debug_assert_eq!(ACPI_RESET_PORT, CONFIG_IO_PORT + 1);
+    let reset = Box::new(ResetRegister::new(signal.clone()));
+    add(Arc::new(Mutex::new(ConfigIo::new(pci.clone(), reset))), CONFIG_IO_PORT, CONFIG_IO_LEN)?;
     Ok(pio)
 }
 

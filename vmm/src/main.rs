@@ -106,10 +106,13 @@ fn main() -> ExitCode {
 }
 
 fn run(args: RunArgs, started: Instant) -> ExitCode {
-    let numa = match args.node.as_deref().map(|n| Node::resolve(n).and_then(|n| n.scaled(args.cpus, args.memory))) {
-        None => Vec::new(),
-        Some(Ok(node)) => node.numa,
-        Some(Err(e)) => {
+    let node = match args.node.as_deref() {
+        Some(n) => Node::resolve(n).and_then(|n| n.scaled(args.cpus, args.memory)),
+        None => Ok(Node::plain(args.cpus.unwrap_or(1), args.memory.unwrap_or(512 << 20))),
+    };
+    let node = match node {
+        Ok(node) => node,
+        Err(e) => {
             eprintln!("gdrvm: error: {e}");
             return ExitCode::from(EXIT_USAGE);
         }
@@ -118,9 +121,9 @@ fn run(args: RunArgs, started: Instant) -> ExitCode {
         kernel: args.kernel,
         initrd: args.initrd,
         cmdline: args.cmdline,
-        cpus: if numa.is_empty() { args.cpus.unwrap_or(1) } else { numa.iter().map(|n| n.cpus).sum() },
-        memory: if numa.is_empty() { args.memory.unwrap_or(512 << 20) } else { numa.iter().map(|n| n.memory).sum() },
-        numa,
+        cpus: node.cpus(),
+        memory: node.memory(),
+        node,
     };
     // SAFETY: fd 1 is this process's stdout; ManuallyDrop keeps it open after the VM is gone.
     // Unbuffered, so the console shows each byte as the guest writes it.

@@ -7,7 +7,8 @@ use crate::ktap::{Check, Verdict};
 /// Lines in the kernel log that fail the smoke suite. A kernel `WARN()` prints
 /// `WARNING: CPU: n PID: n at file:line`; matching that form keeps advisories that merely
 /// contain the word (the SRSO mitigation notice) from failing the check.
-const BAD_LOG_MARKERS: &[&str] = &["ACPI Error", "ACPI BIOS Error", "BUG:", "WARNING: CPU:"];
+const BAD_LOG_MARKERS: &[&str] =
+    &["ACPI Error", "ACPI BIOS Error", "BUG:", "WARNING: CPU:", "[Firmware Bug]", "[Firmware Warn]", "PCI: Fatal"];
 /// How far the kernel's view of RAM may be from what the VMM gave it.
 const MEMORY_TOLERANCE: f64 = 0.05;
 
@@ -171,7 +172,7 @@ mod tests {
 
     fn ctx(root: &std::path::Path, log: &str) -> Context {
         Context {
-            expect: Some(Expectations { cpus: 2, memory_bytes: 1 << 30, numa: vec![] }),
+            expect: Some(Expectations { cpus: 2, memory_bytes: 1 << 30, numa: vec![], pci: vec![], paths: vec![] }),
             image: Some(ImageManifest {
                 name: "default".into(),
                 kernel_release: "6.1.0-57-amd64".into(),

@@ -1,6 +1,6 @@
-//! `topology`: the guest sees the node's layout. This first part checks NUMA: the nodes
-//! Linux brought up, each node's CPUs, RAM and SLIT distances, against the VMM's
-//! expectations.
+//! `topology`: the guest sees the node's layout. NUMA here (the nodes Linux brought up,
+//! each node's CPUs, RAM and SLIT distances, against the VMM's expectations), then the PCI
+//! tree and NCCL's paths ([`super::pci`]).
 
 use crate::context::Context;
 use crate::ktap::{Check, Verdict};
@@ -10,6 +10,12 @@ use crate::suites::smoke::count_cpu_list;
 const NODE_MEMORY_TOLERANCE: f64 = 0.02;
 
 pub fn run(ctx: &Context) -> Vec<Check> {
+    let mut checks = numa(ctx);
+    checks.extend(super::pci::run(ctx));
+    checks
+}
+
+fn numa(ctx: &Context) -> Vec<Check> {
     let Some(expect) = ctx.expect.as_ref().filter(|e| !e.numa.is_empty()) else {
         return vec![Check::new(
             "numa_nodes",
@@ -137,7 +143,7 @@ mod tests {
             NumaExpectation { cpus: vec![1], memory_bytes: 512 << 20, distances: vec![21, 10] },
         ];
         Context {
-            expect: Some(Expectations { cpus: 2, memory_bytes: 1 << 30, numa }),
+            expect: Some(Expectations { cpus: 2, memory_bytes: 1 << 30, numa, pci: vec![], paths: vec![] }),
             image: None,
             root: root.to_owned(),
             kernel_log: Ok(String::new()),
@@ -148,7 +154,7 @@ mod tests {
     #[test]
     fn test_two_nodes_as_configured() {
         let root = fake("0-1\n", &["0\n", "1\n"], &["10 21\n", "21 10\n"], ZONEINFO);
-        let checks = run(&ctx(root.path()));
+        let checks = numa(&ctx(root.path()));
         assert_eq!(checks.len(), 7);
         for c in &checks {
             assert_eq!(c.verdict, Verdict::Pass, "{c:?}");
@@ -158,7 +164,7 @@ mod tests {
     #[test]
     fn test_wrong_layout_fails_by_name() {
         let root = fake("0\n", &["0-1\n"], &["10\n"], "Node 0, zone DMA32\n        present  262144\n");
-        let checks = run(&ctx(root.path()));
+        let checks = numa(&ctx(root.path()));
         let failed: Vec<&str> =
             checks.iter().filter(|c| matches!(c.verdict, Verdict::Fail(_))).map(|c| c.name.as_str()).collect();
         assert_eq!(

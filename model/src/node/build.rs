@@ -43,10 +43,16 @@ struct At {
     parent: Option<usize>,
 }
 
-/// A root or switch port.
-fn bridge(name: String, kind: FunctionKind, at: At, ids: (u16, u16), link: Link, acs: bool) -> Function {
+/// Red Hat's ID for a virtual PCIe host bridge function (QEMU's gpex/pxb).
+const HOST_BRIDGE_ID: (u16, u16) = (0x1b36, 0x0008);
+/// PCI class of a host bridge.
+const CLASS_HOST_BRIDGE: u32 = 0x06_00_00;
+
+/// A root or switch port; `key` is its entry in the node file.
+fn bridge(name: String, key: String, kind: FunctionKind, at: At, ids: (u16, u16), link: Link, acs: bool) -> Function {
     Function {
         name,
+        key,
         kind,
         bdf: at.bdf,
         host_bridge: at.host_bridge,
@@ -55,12 +61,13 @@ fn bridge(name: String, kind: FunctionKind, at: At, ids: (u16, u16), link: Link,
         device: ids.1,
         class: CLASS_PCI_BRIDGE,
         subsystem: None,
-        link,
+        link: Some(link),
         acs,
         ats: false,
         virtual_function: false,
         bars: Vec::new(),
         buses: None,
+        windows: None,
     }
 }
 
@@ -201,15 +208,19 @@ pub fn build(origin: &str, text: &str) -> Result<Node, NodeError> {
             numa: hb.numa,
             first_bus: root,
             last_bus: (b.next_bus - 1) as u8,
+            mem32: None,
+            mem64: None,
         });
     }
-    Ok(Node {
+    let mut node = Node {
         name: file.name.clone(),
         description: file.description.clone(),
         numa,
         host_bridges,
         functions: b.functions,
-    })
+    };
+    super::address::assign(&mut node, origin)?;
+    Ok(node)
 }
 
 fn numa_nodes(origin: &str, file: &NodeFile) -> Result<Vec<NumaNode>, NodeError> {
@@ -263,7 +274,7 @@ fn parse_bars(bars: &[BarEntry], k: &str) -> Result<Vec<Bar>, String> {
         if index + needed > BAR_SLOTS {
             return Err(format!("{k}[{j}]: more BARs than the six BAR registers hold"));
         }
-        out.push(Bar { index, size, prefetchable: bar.prefetchable, is_64bit });
+        out.push(Bar { index, size, prefetchable: bar.prefetchable, is_64bit, address: 0 });
         index += needed;
     }
     Ok(out)
@@ -326,6 +337,26 @@ impl Builder<'_> {
     fn number_root_bus(&mut self, h: usize, bus: u8) -> Result<(), NodeError> {
         let mut taken: [Option<String>; SLOTS as usize] = Default::default();
         let mut placed = Vec::new();
+        if bus == 0 {
+            let name = format!("{}.host", self.file.host_bridge[h].name);
+            taken[0] = Some(name.clone());
+            let f = Function {
+                kind: FunctionKind::HostBridge,
+                class: CLASS_HOST_BRIDGE,
+                link: None,
+                acs: false,
+                ..bridge(
+                    name,
+                    format!("host_bridge[{h}] ({})", self.file.host_bridge[h].name),
+                    FunctionKind::HostBridge,
+                    At { bdf: Bdf { bus, device: 0, function: 0 }, host_bridge: h, parent: None },
+                    HOST_BRIDGE_ID,
+                    Link { speed: super::LinkSpeed::Gt2_5, width: 1 },
+                    false,
+                )
+            };
+            self.push(f);
+        }
         let children = self.hb_children[h].clone();
         for (slot, child, k) in children.iter().filter(|(s, ..)| s.is_some()) {
             let slot = slot.unwrap_or_default();
@@ -375,7 +406,8 @@ impl Builder<'_> {
                 let rp = &self.file.root_port[i];
                 let link = self.links[&rp.name];
                 let at = At { bdf, host_bridge: h, parent };
-                let f = bridge(rp.name.clone(), FunctionKind::RootPort, at, ROOT_PORT_ID, link, rp.acs);
+                let k = format!("root_port[{i}] ({})", rp.name);
+                let f = bridge(rp.name.clone(), k, FunctionKind::RootPort, at, ROOT_PORT_ID, link, rp.acs);
                 let me = self.push(f);
                 let below = self.rp_child[i];
                 self.bridge_below(me, below.into_iter().collect(), h, &key("root_port", i, &rp.name, "link"))
@@ -385,7 +417,9 @@ impl Builder<'_> {
                 let link = self.links[&sw.name];
                 let ids = (sw.vendor.unwrap_or(SWITCH_ID.0), sw.device.unwrap_or(SWITCH_ID.1));
                 let at = At { bdf, host_bridge: h, parent };
-                let up = bridge(format!("{}.up", sw.name), FunctionKind::SwitchUpstream, at, ids, link, false);
+                let sk = format!("switch[{i}] ({})", sw.name);
+                let up =
+                    bridge(format!("{}.up", sw.name), sk.clone(), FunctionKind::SwitchUpstream, at, ids, link, false);
                 let up = self.push(up);
                 let k = key("switch", i, &sw.name, "ports");
                 let internal = self.alloc_bus(&k)?;
@@ -394,7 +428,7 @@ impl Builder<'_> {
                     let pbdf = Bdf { bus: internal, device: port, function: 0 };
                     let name = format!("{}.down{port}", sw.name);
                     let at = At { bdf: pbdf, host_bridge: h, parent: Some(up) };
-                    let down = bridge(name, FunctionKind::SwitchDownstream, at, ids, link, sw.acs);
+                    let down = bridge(name, sk.clone(), FunctionKind::SwitchDownstream, at, ids, link, sw.acs);
                     let down = self.push(down);
                     self.bridge_below(down, children.get(usize::from(port)).copied().into_iter().collect(), h, &k)?;
                 }
@@ -419,6 +453,7 @@ impl Builder<'_> {
                 })?;
                 let f = Function {
                     name: ep.name.clone(),
+                    key: format!("endpoint[{i}] ({})", ep.name),
                     kind: FunctionKind::Endpoint(kind),
                     bdf,
                     host_bridge: h,
@@ -427,12 +462,13 @@ impl Builder<'_> {
                     device: ep.device,
                     class,
                     subsystem: ep.subsystem.map(|[v, d]| (v, d)),
-                    link: self.links[&ep.name],
+                    link: Some(self.links[&ep.name]),
                     acs: false,
                     ats: ep.ats,
                     virtual_function: ep.virtual_function,
                     bars,
                     buses: None,
+                    windows: None,
                 };
                 self.push(f);
                 Ok(())

@@ -3,13 +3,16 @@
 //! function has its bus/device/function and place in the tree. Errors name the file, the
 //! key and the reason.
 
+mod address;
 mod build;
+mod expect;
 mod schema;
 mod tree;
 
 use std::fmt;
 use std::path::Path;
 
+pub use address::{mmio64_base, BridgeWindows, Window, ECAM_BASE, ECAM_SIZE, MMIO32_BASE, MMIO32_END, MMIO64_END};
 pub use build::NodeError;
 
 /// A preset: name, TOML text.
@@ -142,6 +145,9 @@ pub enum EndpointKind {
 /// What a PCI function is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FunctionKind {
+    /// The host bridge's own function at 00:00.0 (class 06/00, as on q35): firmware's
+    /// and Linux's type-1 config probe look for it.
+    HostBridge,
     /// A root port of a host bridge.
     RootPort,
     /// A switch's upstream port.
@@ -155,7 +161,18 @@ pub enum FunctionKind {
 impl FunctionKind {
     /// True for the type-1 (bridge) functions.
     pub fn is_bridge(self) -> bool {
-        !matches!(self, FunctionKind::Endpoint(_))
+        matches!(self, FunctionKind::RootPort | FunctionKind::SwitchUpstream | FunctionKind::SwitchDownstream)
+    }
+
+    /// The Device/Port Type of its PCIe capability (`None`: no PCIe capability).
+    pub fn pcie_port_type(self) -> Option<u8> {
+        match self {
+            FunctionKind::HostBridge => None,
+            FunctionKind::Endpoint(_) => Some(0x0),
+            FunctionKind::RootPort => Some(0x4),
+            FunctionKind::SwitchUpstream => Some(0x5),
+            FunctionKind::SwitchDownstream => Some(0x6),
+        }
     }
 }
 
@@ -170,6 +187,8 @@ pub struct Bar {
     pub prefetchable: bool,
     /// 64-bit.
     pub is_64bit: bool,
+    /// Guest-physical address the VMM assigns.
+    pub address: u64,
 }
 
 /// A NUMA node.
@@ -196,13 +215,20 @@ pub struct HostBridge {
     pub first_bus: u8,
     /// The highest bus number below it.
     pub last_bus: u8,
+    /// Its window below 4 GiB (`None` when nothing below needs one).
+    pub mem32: Option<Window>,
+    /// Its 64-bit window above RAM.
+    pub mem64: Option<Window>,
 }
 
 /// A PCI function in the tree.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Function {
-    /// Name from the node file (switch ports get `<switch>.up` and `<switch>.down<n>`).
+    /// Name from the node file (switch ports get `<switch>.up` and `<switch>.down<n>`, a
+    /// host bridge's own function `<host bridge>.host`).
     pub name: String,
+    /// Where it comes from in the node file, e.g. `endpoint[3] (gpu3)`, for errors.
+    pub key: String,
     /// What it is.
     pub kind: FunctionKind,
     /// Where it is.
@@ -219,8 +245,8 @@ pub struct Function {
     pub class: u32,
     /// Subsystem vendor and device.
     pub subsystem: Option<(u16, u16)>,
-    /// Link capability.
-    pub link: Link,
+    /// Link capability (`None` for the host bridge function, which has no link).
+    pub link: Option<Link>,
     /// ACS capability (ports).
     pub acs: bool,
     /// ATS capability (endpoints).
@@ -231,6 +257,20 @@ pub struct Function {
     pub bars: Vec<Bar>,
     /// For bridges: secondary and subordinate bus.
     pub buses: Option<(u8, u8)>,
+    /// For bridges: the windows the VMM assigns.
+    pub windows: Option<BridgeWindows>,
+}
+
+/// MSI-X vectors each emulated endpoint offers.
+pub const MSIX_VECTORS: u16 = 16;
+
+impl Function {
+    /// The BAR holding an endpoint's MSI-X table and pending-bit array (the first large
+    /// enough for both); `None` for bridges and endpoints without such a BAR (no MSI-X).
+    pub fn msix_bar(&self) -> Option<&Bar> {
+        let needed = u64::from(MSIX_VECTORS) * 16 + 8;
+        matches!(self.kind, FunctionKind::Endpoint(_)).then(|| self.bars.iter().find(|b| b.size >= needed)).flatten()
+    }
 }
 
 /// A checked node: every function placed, every bus numbered.
@@ -279,6 +319,42 @@ impl Node {
         build::build(origin, text)
     }
 
+    /// The link a function trained to: the slower and narrower of its own and its partner's
+    /// (the port above an endpoint or upstream port, the device below a port). `None` for a
+    /// port with nothing below (link down) and for functions without a link.
+    pub fn negotiated_link(&self, i: usize) -> Option<Link> {
+        let f = &self.functions[i];
+        let own = f.link?;
+        let partner = match f.kind {
+            FunctionKind::RootPort | FunctionKind::SwitchDownstream => {
+                self.functions.iter().find(|c| c.parent == Some(i)).and_then(|c| c.link)?
+            }
+            FunctionKind::Endpoint(_) | FunctionKind::SwitchUpstream => {
+                f.parent.and_then(|p| self.functions[p].link).unwrap_or(own)
+            }
+            FunctionKind::HostBridge => return None,
+        };
+        Some(Link { speed: own.speed.min(partner.speed), width: own.width.min(partner.width) })
+    }
+
+    /// The highest guest-physical address any PCI window reaches.
+    pub fn highest_mmio(&self) -> u64 {
+        self.host_bridges.iter().filter_map(|h| h.mem64.or(h.mem32)).map(|w| w.last()).max().unwrap_or(0)
+    }
+
+    /// A machine without a PCIe tree: one NUMA node with `cpus` and `memory`, one host bridge
+    /// with nothing but its own function (so the guest finds working config space).
+    pub fn plain(cpus: u32, memory: u64) -> Node {
+        let text =
+            "name = \"plain\"\n[[numa]]\ncpus = 1\nmemory = \"64M\"\n[[host_bridge]]\nname = \"pci0\"\nnuma = 0\n";
+        // The text is fixed and valid; sizes are set after parsing so that the VM
+        // configuration, not the node checker, judges them.
+        let mut node = Node::parse("plain", text).unwrap_or_else(|e| unreachable!("{e}"));
+        node.numa[0].cpus = cpus;
+        node.numa[0].memory = memory;
+        node
+    }
+
     /// Total vCPUs.
     pub fn cpus(&self) -> u32 {
         self.numa.iter().map(|n| n.cpus).sum()
@@ -315,6 +391,7 @@ impl Node {
                 numa.memory = each;
             }
         }
+        address::assign(&mut node, &self.name)?;
         Ok(node)
     }
 }

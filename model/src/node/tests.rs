@@ -26,7 +26,8 @@ fn test_minimal_tree() {
     assert_eq!(
         names,
         [
-            ("rp0", "0000:00:00.0".into()),
+            ("pxb0.host", "0000:00:00.0".into()),
+            ("rp0", "0000:00:01.0".into()),
             ("sw0.up", "0000:01:00.0".into()),
             ("sw0.down0", "0000:02:00.0".into()),
             ("gpu0", "0000:03:00.0".into()),
@@ -38,10 +39,13 @@ fn test_minimal_tree() {
     assert_eq!(by_name(&node, "sw0.up").buses, Some((2, 4)));
     assert_eq!(node.host_bridges[0].last_bus, 4);
     let gpu = by_name(&node, "gpu0");
-    assert_eq!(gpu.link, Link { speed: LinkSpeed::Gt16, width: 16 });
-    assert_eq!(gpu.bars[1], Bar { index: 1, size: 128 << 30, prefetchable: true, is_64bit: true });
+    assert_eq!(gpu.link, Some(Link { speed: LinkSpeed::Gt16, width: 16 }));
+    assert_eq!(gpu.bars[1], Bar { index: 1, size: 128 << 30, prefetchable: true, is_64bit: true, address: 128 << 30 });
     assert_eq!(gpu.bars[2].index, 3);
-    assert_eq!(gpu.bars[0], Bar { index: 0, size: 16 << 20, prefetchable: false, is_64bit: false });
+    assert_eq!(
+        gpu.bars[0],
+        Bar { index: 0, size: 16 << 20, prefetchable: false, is_64bit: false, address: MMIO32_BASE }
+    );
     assert_eq!(ancestors(&node, "nic0"), ["sw0.down1", "sw0.up", "rp0"]);
     assert!(by_name(&node, "nic0").virtual_function);
 }
@@ -71,17 +75,79 @@ fn test_flat_puts_everything_on_one_root_bus() {
     let node = preset("flat");
     assert_eq!(node.host_bridges.len(), 1);
     assert!(node.functions.iter().all(|f| f.parent.is_none() && f.bdf.bus == 0));
-    assert_eq!(node.functions.len(), 16);
+    assert_eq!(node.functions.len(), 17);
+    assert_eq!(node.functions[0].kind, FunctionKind::HostBridge);
 }
 
 #[test]
 fn test_scaling_keeps_the_pcie_layout() {
     let node = preset("vela-a100");
     let small = node.scaled(Some(3), Some(2 << 30)).unwrap();
-    assert_eq!(small.functions, node.functions);
+    let shape = |n: &Node| n.functions.iter().map(|f| (f.name.clone(), f.bdf, f.buses, f.link)).collect::<Vec<_>>();
+    assert_eq!(shape(&small), shape(&node));
+    // Less RAM, so the 64-bit windows move down.
+    assert!(small.highest_mmio() < node.highest_mmio());
     assert_eq!(small.numa.iter().map(|n| n.cpus).collect::<Vec<_>>(), [2, 1]);
     assert_eq!(small.memory(), 2 << 30);
     assert!(node.scaled(Some(1), None).unwrap_err().to_string().contains("cannot cover 2 NUMA nodes"));
+}
+
+/// Every BAR is aligned to its size and inside its bridge's window, every bridge window inside
+/// its parent's, every root window inside its host bridge's; nothing overlaps.
+fn check_addresses(node: &Node) {
+    let inside = |inner: Window, outer: Option<Window>| {
+        let outer = outer.expect("an enclosing window");
+        assert!(inner.base >= outer.base && inner.last() <= outer.last(), "{inner:x?} outside {outer:x?}");
+    };
+    let mut taken: Vec<Window> = Vec::new();
+    for f in &node.functions {
+        let hb = &node.host_bridges[f.host_bridge];
+        let enclosing = |pref: bool| match f.parent {
+            Some(p) => {
+                let w = node.functions[p].windows.expect("bridges have windows");
+                if pref {
+                    w.pref
+                } else {
+                    w.mem
+                }
+            }
+            None if pref => hb.mem64,
+            None => hb.mem32,
+        };
+        for bar in &f.bars {
+            assert_eq!(bar.address % bar.size, 0, "{} BAR{} misaligned", f.name, bar.index);
+            let w = Window { base: bar.address, size: bar.size };
+            inside(w, enclosing(bar.prefetchable && bar.is_64bit));
+            if !bar.is_64bit {
+                assert!(w.last() < 1 << 32);
+            }
+            assert!(taken.iter().all(|t| w.last() < t.base || w.base > t.last()), "{} overlaps", f.name);
+            taken.push(w);
+        }
+        if let Some(w) = f.windows {
+            for (win, pref) in [(w.mem, false), (w.pref, true)] {
+                if let Some(win) = win {
+                    inside(win, enclosing(pref));
+                }
+            }
+        }
+    }
+    assert!(node.highest_mmio() < MMIO64_END);
+}
+
+#[test]
+fn test_addresses_nest_and_align() {
+    for name in preset_names() {
+        let node = preset(name);
+        check_addresses(&node);
+        check_addresses(&node.scaled(Some(2), Some(1 << 30)).unwrap());
+    }
+    let vela = preset("vela-a100").scaled(Some(4), Some(1 << 30)).unwrap();
+    let gpu0 = by_name(&vela, "gpu0");
+    assert_eq!(gpu0.bars[1].address % (128 << 30), 0);
+    assert!(gpu0.bars[0].address >= MMIO32_BASE && gpu0.bars[0].address < MMIO32_END);
+    // Above 4 GiB of RAM the 64-bit window starts above RAM.
+    assert!(vela.host_bridges[0].mem64.unwrap().base >= mmio64_base(1 << 30));
 }
 
 #[test]
@@ -151,4 +217,18 @@ fn test_resolve_names_presets_when_nothing_matches() {
     assert_eq!(Node::resolve("minimal").unwrap().name, "minimal");
     let e = Node::resolve("/no/such/node.toml").unwrap_err().to_string();
     assert_eq!(e, "/no/such/node.toml: no such node file, and not a preset (minimal, flat, vela-a100)");
+}
+
+#[test]
+fn test_bar_that_fits_no_window() {
+    // A 1 GiB BAR must sit below 4 GiB as a 32-bit BAR: the 32-bit window holds 512 MiB.
+    assert_eq!(
+        error(&minimal_with("{ size = \"16M\", bits = 32 }", "{ size = \"1G\", bits = 32 }")),
+        "bad.toml: key endpoint[0] (gpu0).bars[0]: a BAR of 1G fits no window: host bridge 'pxb0' needs 1G of \
+         32-bit MMIO and only 512M is left"
+    );
+    // 64-bit BARs beyond what 46 address bits reach.
+    let huge =
+        error(&minimal_with("{ size = \"128G\", prefetchable = true }", "{ size = \"64T\", prefetchable = true }"));
+    assert!(huge.starts_with("bad.toml: key endpoint[0] (gpu0).bars[1]: a BAR of 64T fits no window"), "{huge}");
 }

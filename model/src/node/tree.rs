@@ -4,7 +4,8 @@ use std::fmt::Write as _;
 
 use super::{EndpointKind, FunctionKind, Node};
 
-fn size(bytes: u64) -> String {
+/// `bytes` with the largest binary unit that divides it (`128G`, `2M`).
+pub(super) fn size(bytes: u64) -> String {
     const UNITS: [(u64, &str); 4] = [(1 << 40, "T"), (1 << 30, "G"), (1 << 20, "M"), (1 << 10, "K")];
     UNITS
         .iter()
@@ -37,7 +38,13 @@ impl Node {
                 size(numa.memory)
             );
             for (h, hb) in self.host_bridges.iter().enumerate().filter(|(_, hb)| hb.numa == numa.id) {
-                let _ = writeln!(out, "  host bridge {} buses {:02x}-{:02x}", hb.name, hb.first_bus, hb.last_bus);
+                let mut line = format!("  host bridge {} buses {:02x}-{:02x}", hb.name, hb.first_bus, hb.last_bus);
+                for (what, w) in [("mem", hb.mem32), ("mem64", hb.mem64)] {
+                    if let Some(w) = w {
+                        let _ = write!(line, " {what} {:#x}-{:#x}", w.base, w.last());
+                    }
+                }
+                let _ = writeln!(out, "{line}");
                 for (i, _) in
                     self.functions.iter().enumerate().filter(|(_, f)| f.host_bridge == h && f.parent.is_none())
                 {
@@ -51,6 +58,7 @@ impl Node {
     fn render_function(&self, out: &mut String, i: usize, depth: usize) {
         let f = &self.functions[i];
         let what = match f.kind {
+            FunctionKind::HostBridge => "host bridge".to_owned(),
             FunctionKind::RootPort => "root port".to_owned(),
             FunctionKind::SwitchUpstream => "switch upstream".to_owned(),
             FunctionKind::SwitchDownstream => "switch downstream".to_owned(),
@@ -64,17 +72,24 @@ impl Node {
             .to_owned(),
         };
         let mut line = format!(
-            "{:indent$}{} {what} {} [{:04x}:{:04x}] {}",
+            "{:indent$}{} {what} {} [{:04x}:{:04x}]{}",
             "",
             &f.bdf.to_string()[5..],
             f.name,
             f.vendor,
             f.device,
-            f.link,
+            f.link.map(|l| format!(" {l}")).unwrap_or_default(),
             indent = depth * 2
         );
         if let Some((sec, sub)) = f.buses {
             let _ = write!(line, " buses {sec:02x}-{sub:02x}");
+        }
+        if let Some(w) = &f.windows {
+            for (what, w) in [("mem", w.mem), ("pref", w.pref)] {
+                if let Some(w) = w {
+                    let _ = write!(line, " {what} {:#x}-{:#x}", w.base, w.last());
+                }
+            }
         }
         if f.acs {
             line.push_str(" ACS");
@@ -88,10 +103,11 @@ impl Node {
                 .iter()
                 .map(|b| {
                     format!(
-                        "{}{}{}",
+                        "{}{}{}@{:#x}",
                         size(b.size),
                         if b.prefetchable { " pref" } else { "" },
-                        if b.is_64bit { "" } else { " 32-bit" }
+                        if b.is_64bit { "" } else { " 32-bit" },
+                        b.address
                     )
                 })
                 .collect();

@@ -1,0 +1,455 @@
+//! The PCI half of `topology`: every PCI function Linux found (sysfs) against the VMM's
+//! expectations (IDs, class, place in the tree, NUMA node, link, ACS, ATS, MSI-X), the tree as
+//! Linux sees it, and NCCL's path type and GPUDirect RDMA decision for every GPU-NIC and
+//! GPU-GPU pair, computed from sysfs with NCCL's rules ([`gdrvm_model::nccl`]).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+use gdrvm_model::nccl::{self, PathType, PciDevice};
+use gdrvm_model::{LinkExpectation, PciExpectation};
+
+use crate::context::Context;
+use crate::ktap::{Check, Verdict};
+
+const SYSFS_PCI: &str = "/sys/bus/pci/devices";
+const CAP_ID_MSIX: u8 = 0x11;
+const EXT_CAP_ID_ACS: u32 = 0x000d;
+const EXT_CAP_ID_ATS: u32 = 0x000f;
+
+/// A PCI function as sysfs shows it.
+#[derive(Debug, Clone, PartialEq)]
+struct Seen {
+    bdf: String,
+    /// BDFs from the root bus down to this one (its `/sys/devices` path).
+    path: Vec<String>,
+    vendor: u16,
+    device: u16,
+    class: u32,
+    subsystem: (u16, u16),
+    numa_node: i32,
+    /// `max_link_speed`, `max_link_width` (PCIe functions only).
+    max_link: Option<(String, u8)>,
+    /// `current_link_*`; `None` when the link is down (width 0).
+    current_link: Option<(String, u8)>,
+    acs: bool,
+    ats: bool,
+    msix: bool,
+}
+
+impl Seen {
+    fn depth(&self) -> usize {
+        self.path.len().saturating_sub(1)
+    }
+
+    fn nccl(&self) -> PciDevice {
+        PciDevice { bdf: self.bdf.clone(), path: self.path.clone(), numa_node: self.numa_node }
+    }
+
+    fn is_gpu(&self) -> bool {
+        self.class >> 16 == 0x03
+    }
+
+    fn is_nic(&self) -> bool {
+        self.class >> 16 == 0x02
+    }
+
+    fn bandwidth(&self) -> Option<f64> {
+        self.current_link.as_ref().and_then(|(speed, width)| nccl::link_bandwidth(speed, u32::from(*width)))
+    }
+
+    /// One line of the tree.
+    fn describe(&self) -> String {
+        let link = match (&self.current_link, &self.max_link) {
+            (Some((s, w)), Some((ms, mw))) => format!(" link {s} x{w} of {ms} x{mw}"),
+            (None, Some((ms, mw))) => format!(" link down of {ms} x{mw}"),
+            _ => String::new(),
+        };
+        let flag = |b: bool| if b { '+' } else { '-' };
+        format!(
+            "pci {:indent$}{} [{:04x}:{:04x}] class {:06x} numa {}{link} ACS{} ATS{} MSI-X{}",
+            "",
+            self.bdf,
+            self.vendor,
+            self.device,
+            self.class,
+            self.numa_node,
+            flag(self.acs),
+            flag(self.ats),
+            flag(self.msix),
+            indent = 2 * self.depth()
+        )
+    }
+}
+
+fn is_bdf(s: &str) -> bool {
+    let b = s.as_bytes();
+    b.len() == 12
+        && b[4] == b':'
+        && b[7] == b':'
+        && b[10] == b'.'
+        && s.chars().enumerate().all(|(i, c)| [4, 7, 10].contains(&i) || c.is_ascii_hexdigit())
+}
+
+fn read_hex(dir: &Path, file: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(dir.join(file)).ok()?;
+    u64::from_str_radix(text.trim().trim_start_matches("0x"), 16).ok()
+}
+
+fn read_text(dir: &Path, file: &str) -> Option<String> {
+    std::fs::read_to_string(dir.join(file)).ok().map(|s| s.trim().to_owned())
+}
+
+/// Capability flags from the raw configuration space (`config`, 4 KiB when readable).
+fn capabilities(config: &[u8]) -> (bool, bool, bool) {
+    let (mut acs, mut ats, mut msix) = (false, false, false);
+    let byte = |at: usize| config.get(at).copied().unwrap_or(0);
+    if byte(0x06) & 0x10 != 0 {
+        let mut at = usize::from(byte(0x34) & 0xfc);
+        for _ in 0..48 {
+            if at < 0x40 {
+                break;
+            }
+            msix |= byte(at) == CAP_ID_MSIX;
+            at = usize::from(byte(at + 1) & 0xfc);
+        }
+    }
+    let mut at = 0x100;
+    for _ in 0..(4096 - 256) / 8 {
+        let Some(header) = config.get(at..at + 4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])) else {
+            break;
+        };
+        if header == 0 || header == u32::MAX {
+            break;
+        }
+        acs |= header & 0xffff == EXT_CAP_ID_ACS;
+        ats |= header & 0xffff == EXT_CAP_ID_ATS;
+        at = (header >> 20) as usize & 0xffc;
+        if at < 0x100 {
+            break;
+        }
+    }
+    (acs, ats, msix)
+}
+
+fn read_function(ctx: &Context, bdf: &str) -> Option<Seen> {
+    let dir = ctx.path(&format!("{SYSFS_PCI}/{bdf}"));
+    let real = std::fs::canonicalize(&dir).ok()?;
+    let path: Vec<String> =
+        real.components().filter_map(|c| c.as_os_str().to_str()).filter(|c| is_bdf(c)).map(str::to_owned).collect();
+    let link = |speed: &str, width: &str| -> Option<(String, u8)> {
+        let w: u8 = read_text(&dir, width)?.parse().ok()?;
+        let s = read_text(&dir, speed)?;
+        (w > 0 && !s.starts_with("Unknown")).then_some((s, w))
+    };
+    let (acs, ats, msix) = capabilities(&std::fs::read(dir.join("config")).unwrap_or_default());
+    Some(Seen {
+        bdf: bdf.to_owned(),
+        path,
+        vendor: read_hex(&dir, "vendor")? as u16,
+        device: read_hex(&dir, "device")? as u16,
+        class: read_hex(&dir, "class")? as u32,
+        subsystem: (
+            read_hex(&dir, "subsystem_vendor").unwrap_or(0) as u16,
+            read_hex(&dir, "subsystem_device").unwrap_or(0) as u16,
+        ),
+        numa_node: read_text(&dir, "numa_node").and_then(|n| n.parse().ok()).unwrap_or(-1),
+        max_link: link("max_link_speed", "max_link_width"),
+        current_link: link("current_link_speed", "current_link_width"),
+        acs,
+        ats,
+        msix,
+    })
+}
+
+/// Every function in sysfs, by BDF.
+fn read_all(ctx: &Context) -> BTreeMap<String, Seen> {
+    let Ok(entries) = std::fs::read_dir(ctx.path(SYSFS_PCI)) else {
+        return BTreeMap::new();
+    };
+    let mut names: Vec<String> = entries.filter_map(|e| e.ok()?.file_name().into_string().ok()).collect();
+    names.sort();
+    names.iter().filter_map(|bdf| read_function(ctx, bdf)).map(|f| (f.bdf.clone(), f)).collect()
+}
+
+/// What differs between an expected function and what sysfs shows.
+fn differences(want: &PciExpectation, seen: &Seen) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut check = |what: &str, want: String, seen: String| {
+        if want != seen {
+            out.push(format!("{what} {seen}, expected {want}"));
+        }
+    };
+    check(
+        "IDs",
+        format!("{:04x}:{:04x}", want.vendor, want.device),
+        format!("{:04x}:{:04x}", seen.vendor, seen.device),
+    );
+    check("class", format!("{:06x}", want.class), format!("{:06x}", seen.class));
+    let sub = want.subsystem.unwrap_or((0, 0));
+    check(
+        "subsystem",
+        format!("{:04x}:{:04x}", sub.0, sub.1),
+        format!("{:04x}:{:04x}", seen.subsystem.0, seen.subsystem.1),
+    );
+    let parents: Vec<&str> = seen.path.iter().rev().skip(1).map(String::as_str).collect();
+    check("parents", want.parents.join(" < "), parents.join(" < "));
+    check("numa_node", want.numa_node.to_string(), seen.numa_node.to_string());
+    let show = |l: &Option<(String, u8)>| l.as_ref().map_or("none".to_owned(), |(s, w)| format!("{s} x{w}"));
+    let (max, current) = match &want.link {
+        Some(LinkExpectation { max_speed, max_width, current }) => {
+            (Some((max_speed.clone(), *max_width)), current.clone())
+        }
+        None => (None, None),
+    };
+    check("max link", show(&max), show(&seen.max_link));
+    check("current link", show(&current), show(&seen.current_link));
+    check("ACS", want.acs.to_string(), seen.acs.to_string());
+    check("ATS", want.ats.to_string(), seen.ats.to_string());
+    check("MSI-X", want.msix.to_string(), seen.msix.to_string());
+    out
+}
+
+/// The PCI checks of `topology`.
+pub fn run(ctx: &Context) -> Vec<Check> {
+    let seen = read_all(ctx);
+    let expect = ctx.expect.as_ref().filter(|e| !e.pci.is_empty());
+    let mut tree = Check::new(
+        "pci_functions",
+        match expect {
+            None => Verdict::Skip("no PCI expectations (not a gdrvm guest)".into()),
+            Some(e) => {
+                let want: BTreeSet<&str> = e.pci.iter().map(|p| p.bdf.as_str()).collect();
+                let have: BTreeSet<&str> = seen.keys().map(String::as_str).collect();
+                let missing: Vec<&&str> = want.difference(&have).collect();
+                let extra: Vec<&&str> = have.difference(&want).collect();
+                if missing.is_empty() && extra.is_empty() {
+                    Verdict::Pass
+                } else {
+                    Verdict::Fail(format!("missing {missing:?}, unexpected {extra:?}"))
+                }
+            }
+        },
+    );
+    tree.diagnostics.push(format!("{} PCI functions", seen.len()));
+    tree.diagnostics.extend(seen.values().map(Seen::describe));
+    let mut checks = vec![tree];
+
+    for want in expect.map(|e| e.pci.as_slice()).unwrap_or_default() {
+        let name = format!("pci_{}_{}", want.bdf.trim_start_matches("0000:"), want.name);
+        checks.push(Check::new(
+            &name,
+            match seen.get(&want.bdf) {
+                None => Verdict::Fail(format!("{} ({}) is not in sysfs", want.bdf, want.name)),
+                Some(s) => match differences(want, s) {
+                    d if d.is_empty() => Verdict::Pass,
+                    d => Verdict::Fail(d.join("; ")),
+                },
+            },
+        ));
+    }
+    checks.extend(nccl_checks(ctx, &seen));
+    checks
+}
+
+/// NCCL's view from sysfs: every GPU-NIC and GPU-GPU path, checked against expectations.
+fn nccl_checks(ctx: &Context, seen: &BTreeMap<String, Seen>) -> Vec<Check> {
+    let gpus: Vec<&Seen> = seen.values().filter(|s| s.is_gpu()).collect();
+    let nics: Vec<&Seen> = seen.values().filter(|s| s.is_nic()).collect();
+    let mut lines = Vec::new();
+    let mut found: BTreeMap<(String, String), PathType> = BTreeMap::new();
+    let mut gdr_pairs = 0;
+    for (n, gpu) in gpus.iter().enumerate() {
+        for (other, is_nic) in nics.iter().map(|o| (o, true)).chain(gpus[n + 1..].iter().map(|o| (o, false))) {
+            let path = nccl::path_type(&gpu.nccl(), &other.nccl());
+            let bw = gpu.bandwidth().zip(other.bandwidth()).map(|(a, b)| a.min(b));
+            let gdr = if is_nic {
+                gdr_pairs += usize::from(path.gdr());
+                if path.gdr() {
+                    " gdr on"
+                } else {
+                    " gdr off"
+                }
+            } else {
+                ""
+            };
+            lines.push(format!(
+                "nccl gpu {} {} {} {path}{gdr} bw {}",
+                gpu.bdf,
+                if is_nic { "nic" } else { "gpu" },
+                other.bdf,
+                bw.map_or("unknown".into(), |b| format!("{b:.1} GB/s"))
+            ));
+            found.insert((gpu.bdf.clone(), other.bdf.clone()), path);
+        }
+    }
+    let pairs = gpus.len() * nics.len();
+    let expect = ctx.expect.as_ref().filter(|e| !e.pci.is_empty());
+    let want_gdr = expect.map(|e| e.paths.iter().filter(|p| p.gdr == Some(true)).count());
+    let mut summary = Check::new(
+        "nccl_gdr",
+        match want_gdr {
+            None => Verdict::Skip("no expectations: see the diagnostics for what NCCL would do".into()),
+            Some(w) if w == gdr_pairs => Verdict::Pass,
+            Some(w) => Verdict::Fail(format!("GDR on for {gdr_pairs} GPU-NIC pairs, expected {w}")),
+        },
+    );
+    summary.diagnostics = lines;
+    summary.diagnostics.push(format!(
+        "GDR on for {gdr_pairs} of {pairs} GPU-NIC pairs ({} GPUs, {} NICs)",
+        gpus.len(),
+        nics.len()
+    ));
+    let mut checks = vec![summary];
+    for p in expect.map(|e| e.paths.as_slice()).unwrap_or_default() {
+        let name = format!("nccl_{}_{}", p.a.trim_start_matches("0000:"), p.b.trim_start_matches("0000:"));
+        let verdict = match found.get(&(p.a.clone(), p.b.clone())) {
+            None => Verdict::Fail(format!("{} or {} is not a GPU/NIC in sysfs", p.a, p.b)),
+            Some(t) if *t == p.path => Verdict::Pass,
+            Some(t) => Verdict::Fail(format!("NCCL path {t}, expected {}", p.path)),
+        };
+        checks.push(Check::new(&name, verdict));
+    }
+    checks
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_capability_walk() {
+        let mut config = vec![0u8; 4096];
+        config[0x06] = 0x10;
+        config[0x34] = 0x40;
+        config[0x40] = 0x10;
+        config[0x41] = 0x80;
+        config[0x80] = CAP_ID_MSIX;
+        config[0x100..0x104].copy_from_slice(&(EXT_CAP_ID_ATS | (1 << 16) | (0x140 << 20)).to_le_bytes());
+        config[0x140..0x144].copy_from_slice(&(EXT_CAP_ID_ACS | (1 << 16)).to_le_bytes());
+        assert_eq!(capabilities(&config), (true, true, true));
+        // 256 bytes only (no extended space), a looping list: no hang, no extended caps.
+        let mut short = config[..256].to_vec();
+        short[0x81] = 0x40;
+        assert_eq!(capabilities(&short), (false, false, true));
+        assert_eq!(capabilities(&[]), (false, false, false));
+    }
+
+    /// A sysfs tree (devices under `/sys/devices/pci0000:BB/...`, links in `/sys/bus/pci/devices`)
+    /// holding what `expect` promises, with `alter` applied to each function's files.
+    fn fake_sysfs(
+        expect: &gdrvm_model::Expectations,
+        alter: impl Fn(&str, &mut BTreeMap<&str, String>),
+    ) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        let links = dir.path().join("sys/bus/pci/devices");
+        std::fs::create_dir_all(&links).unwrap();
+        for f in &expect.pci {
+            let mut path = dir.path().join("sys/devices/pci0000:00");
+            for p in f.parents.iter().rev() {
+                path.push(p);
+            }
+            path.push(&f.bdf);
+            std::fs::create_dir_all(&path).unwrap();
+            let mut files = BTreeMap::new();
+            files.insert("vendor", format!("{:#06x}", f.vendor));
+            files.insert("device", format!("{:#06x}", f.device));
+            files.insert("class", format!("{:#08x}", f.class));
+            let sub = f.subsystem.unwrap_or((0, 0));
+            files.insert("subsystem_vendor", format!("{:#06x}", sub.0));
+            files.insert("subsystem_device", format!("{:#06x}", sub.1));
+            files.insert("numa_node", f.numa_node.to_string());
+            if let Some(l) = &f.link {
+                files.insert("max_link_speed", l.max_speed.clone());
+                files.insert("max_link_width", l.max_width.to_string());
+                let (s, w) = l.current.clone().unwrap_or(("2.5 GT/s PCIe".into(), 0));
+                files.insert("current_link_speed", s);
+                files.insert("current_link_width", w.to_string());
+            }
+            alter(&f.bdf, &mut files);
+            for (name, text) in files {
+                std::fs::write(path.join(name), format!("{text}\n")).unwrap();
+            }
+            let mut config = vec![0u8; 4096];
+            config[0x06] = 0x10;
+            config[0x34] = 0x40;
+            config[0x40] = 0x10;
+            if f.msix {
+                config[0x41] = 0x80;
+                config[0x80] = CAP_ID_MSIX;
+            }
+            let ext = if f.acs {
+                EXT_CAP_ID_ACS
+            } else if f.ats {
+                EXT_CAP_ID_ATS
+            } else {
+                0
+            };
+            if ext != 0 {
+                config[0x100..0x104].copy_from_slice(&(ext | (1 << 16)).to_le_bytes());
+            }
+            std::fs::write(path.join("config"), config).unwrap();
+            std::os::unix::fs::symlink(&path, links.join(&f.bdf)).unwrap();
+        }
+        dir
+    }
+
+    fn checks_on(preset: &str, alter: impl Fn(&str, &mut BTreeMap<&str, String>)) -> Vec<Check> {
+        let node = gdrvm_model::node::Node::preset(preset).unwrap().unwrap().scaled(Some(2), Some(1 << 30)).unwrap();
+        let expect = gdrvm_model::Expectations::new(2, 1 << 30, &node);
+        let root = fake_sysfs(&expect, alter);
+        let ctx = Context {
+            expect: Some(expect),
+            image: None,
+            root: root.path().to_owned(),
+            kernel_log: Ok(String::new()),
+            module_errors: vec![],
+        };
+        run(&ctx)
+    }
+
+    fn failed(checks: &[Check]) -> Vec<(String, String)> {
+        checks
+            .iter()
+            .filter_map(|c| match &c.verdict {
+                Verdict::Fail(why) => Some((c.name.clone(), why.clone())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn test_sysfs_as_promised_passes_and_nccl_sees_pix() {
+        let checks = checks_on("minimal", |_, _| {});
+        assert_eq!(failed(&checks), []);
+        let gdr = checks.iter().find(|c| c.name == "nccl_gdr").unwrap();
+        assert_eq!(gdr.diagnostics[0], "nccl gpu 0000:03:00.0 nic 0000:04:00.0 PIX gdr on bw 24.0 GB/s");
+        let flat = checks_on("flat", |_, _| {});
+        assert_eq!(failed(&flat), []);
+        let gdr = flat.iter().find(|c| c.name == "nccl_gdr").unwrap();
+        assert!(gdr.diagnostics.iter().all(|l| !l.contains("gdr on")), "{gdr:?}");
+    }
+
+    #[test]
+    fn test_a_narrow_link_and_a_moved_numa_node_fail_by_function() {
+        let checks = checks_on("minimal", |bdf, files| {
+            if bdf == "0000:03:00.0" {
+                files.insert("current_link_width", "1".into());
+                files.insert("numa_node", "-1".into());
+            }
+        });
+        assert_eq!(
+            failed(&checks),
+            [(
+                "pci_03:00.0_gpu0".to_owned(),
+                "numa_node -1, expected 0; current link 16.0 GT/s PCIe x1, expected 16.0 GT/s PCIe x16".to_owned()
+            )]
+        );
+    }
+
+    #[test]
+    fn test_bdf_format() {
+        assert!(is_bdf("0000:03:00.0"));
+        assert!(!is_bdf("pci0000:00") && !is_bdf("0000:03:00") && !is_bdf("0000:0g:00.0"));
+    }
+}

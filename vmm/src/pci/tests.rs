@@ -1,0 +1,203 @@
+use super::*;
+use gdrvm_devices::ResetRegister;
+use gdrvm_model::node::{FunctionKind, Node};
+
+fn minimal() -> Node {
+    Node::preset("minimal").unwrap().unwrap()
+}
+
+fn segment() -> Arc<Mutex<PciSegment>> {
+    Arc::new(Mutex::new(PciSegment::new(&minimal())))
+}
+
+/// ECAM offset of bus/device/function/register.
+fn ecam(bus: u8, dev: u8, func: u8, reg: u64) -> u64 {
+    (u64::from(bus) << 20) | (u64::from(dev) << 15) | (u64::from(func) << 12) | reg
+}
+
+fn read32(e: &mut Ecam, off: u64) -> u32 {
+    let mut b = [0u8; 4];
+    e.read(off, &mut b);
+    u32::from_le_bytes(b)
+}
+
+fn read16(e: &mut Ecam, off: u64) -> u16 {
+    let mut b = [0u8; 2];
+    e.read(off, &mut b);
+    u16::from_le_bytes(b)
+}
+
+#[test]
+fn test_ecam_ids_and_absent_functions() {
+    let mut e = Ecam(segment());
+    // 00:00.0 host bridge function, 00:01.0 root port, 03:00.0 the GPU.
+    assert_eq!(read32(&mut e, ecam(0, 0, 0, 0)), 0x0008_1b36);
+    assert_eq!(read32(&mut e, ecam(0, 1, 0, 0)), 0x000c_1b36);
+    assert_eq!(read32(&mut e, ecam(3, 0, 0, 0)), 0x20b2_10de);
+    assert_eq!(read32(&mut e, ecam(3, 0, 0, 0x08)) >> 8, 0x03_02_00);
+    assert_eq!(read32(&mut e, ecam(3, 0, 0, 0x2c)), 0x147f_10de);
+    // Nothing at 00:02.0 or 03:00.1: all-ones, writes dropped.
+    assert_eq!(read32(&mut e, ecam(0, 2, 0, 0)), u32::MAX);
+    e.write(ecam(0, 2, 0, 0x04), &[0xff; 4]);
+    assert_eq!(read32(&mut e, ecam(3, 0, 1, 0)), u32::MAX);
+    // An access straddling the end of a function's space reads all-ones.
+    let mut b = [0u8; 4];
+    e.read(ecam(3, 0, 0, 0xffe), &mut b);
+    assert_eq!(b, [0xff; 4]);
+}
+
+#[test]
+fn test_bar_sizing_and_relocation() {
+    let mut e = Ecam(segment());
+    let gpu = |reg| ecam(3, 0, 0, reg);
+    // BAR0: 16 MiB, 32-bit, non-prefetchable.
+    let bar0 = read32(&mut e, gpu(0x10));
+    assert_eq!(bar0 & 0xf, 0);
+    e.write(gpu(0x10), &u32::MAX.to_le_bytes());
+    assert_eq!(read32(&mut e, gpu(0x10)), 0xff00_0000);
+    e.write(gpu(0x10), &bar0.to_le_bytes());
+    assert_eq!(read32(&mut e, gpu(0x10)), bar0);
+    // BAR1/2: 128 GiB, 64-bit prefetchable: the low dword sizes to 0, the high to ~(128G-1)>>32.
+    assert_eq!(read32(&mut e, gpu(0x14)) & 0xf, 0xc);
+    e.write(gpu(0x14), &u32::MAX.to_le_bytes());
+    e.write(gpu(0x18), &u32::MAX.to_le_bytes());
+    assert_eq!(read32(&mut e, gpu(0x14)), 0x0000_000c);
+    assert_eq!(read32(&mut e, gpu(0x18)), 0xffff_ffe0);
+    // Linux moving the BAR: the new address reads back.
+    e.write(gpu(0x14), &0u32.to_le_bytes());
+    e.write(gpu(0x18), &0x40u32.to_le_bytes());
+    assert_eq!((read32(&mut e, gpu(0x14)), read32(&mut e, gpu(0x18))), (0xc, 0x40));
+    // Read-only fields stay: vendor ID, class.
+    e.write(gpu(0x00), &[0; 4]);
+    assert_eq!(read32(&mut e, gpu(0)), 0x20b2_10de);
+}
+
+#[test]
+fn test_bridge_buses_and_windows() {
+    let node = minimal();
+    let mut e = Ecam(Arc::new(Mutex::new(PciSegment::new(&node))));
+    let rp = |reg| ecam(0, 1, 0, reg);
+    assert_eq!(read32(&mut e, rp(0x0c)) >> 16 & 0x7f, 1, "type 1 header");
+    assert_eq!(read32(&mut e, rp(0x18)) & 0xff_ffff, 0x04_01_00, "primary 0, secondary 1, subordinate 4");
+    let f = node.functions.iter().find(|f| f.name == "rp0").unwrap();
+    let w = f.windows.unwrap();
+    let mem = read32(&mut e, rp(0x20));
+    assert_eq!(u64::from(mem & 0xfff0) << 16, w.mem.unwrap().base);
+    assert_eq!((u64::from(mem >> 16) << 16) | 0xf_ffff, w.mem.unwrap().last());
+    let pref = read32(&mut e, rp(0x24));
+    assert_eq!(pref & 0xf, 1, "64-bit prefetchable window");
+    let base = (u64::from(read32(&mut e, rp(0x28))) << 32) | (u64::from(pref & 0xfff0) << 16);
+    assert_eq!(base, w.pref.unwrap().base);
+    // No I/O window: base and limit read 0 and ignore writes.
+    e.write(rp(0x1c), &[0xf0, 0xf0]);
+    assert_eq!(read16(&mut e, rp(0x1c)), 0);
+    // The empty downstream port's windows are closed (base above limit).
+    let down1 = node.functions.iter().position(|f| f.name == "sw0.down1").unwrap();
+    assert_eq!(node.functions[down1].kind, FunctionKind::SwitchDownstream);
+    let mem = read32(&mut e, ecam(2, 1, 0, 0x20));
+    assert!(mem & 0xfff0 > mem >> 16, "closed memory window: {mem:#x}");
+}
+
+/// (capability id, offset) pairs of the standard list, then of the extended list.
+type CapabilityLists = (Vec<(u8, u64)>, Vec<(u16, u64)>);
+
+/// Follows the capability list and the extended list.
+fn capabilities(e: &mut Ecam, bus: u8, dev: u8) -> CapabilityLists {
+    let mut caps = Vec::new();
+    let mut at = u64::from(read32(e, ecam(bus, dev, 0, 0x34)) & 0xfc);
+    while at != 0 {
+        let h = read32(e, ecam(bus, dev, 0, at));
+        caps.push((h as u8, at));
+        at = u64::from((h >> 8) & 0xfc);
+    }
+    let mut ext = Vec::new();
+    let mut at = 0x100;
+    while at != 0 {
+        let h = read32(e, ecam(bus, dev, 0, at));
+        if h == 0 {
+            break;
+        }
+        ext.push((h as u16, at));
+        at = u64::from(h >> 20);
+    }
+    (caps, ext)
+}
+
+#[test]
+fn test_capabilities_tell_port_type_link_acs_ats() {
+    let mut e = Ecam(segment());
+    // Switch downstream port 02:00.0: PCIe (type 6), ACS.
+    let (caps, ext) = capabilities(&mut e, 2, 0);
+    assert_eq!(caps, [(0x10, 0x40)]);
+    assert_eq!(ext, [(0x000d, 0x100)]);
+    assert_eq!(read16(&mut e, ecam(2, 0, 0, 0x42)) >> 4 & 0xf, 6);
+    assert_eq!(read16(&mut e, ecam(2, 0, 0, 0x104)), ACS_CAPABILITIES);
+    // Link capabilities: 16 GT/s (4), x16; link status the same, link active.
+    let lnkcap = read32(&mut e, ecam(2, 0, 0, 0x4c));
+    assert_eq!((lnkcap & 0xf, lnkcap >> 4 & 0x3f), (4, 16));
+    let lnksta = read16(&mut e, ecam(2, 0, 0, 0x52));
+    assert_eq!((lnksta & 0xf, lnksta >> 4 & 0x3f, lnksta >> 13 & 1), (4, 16, 1));
+    assert_eq!(read32(&mut e, ecam(2, 0, 0, 0x6c)), 0b11110, "link capabilities 2: 2.5 to 16 GT/s");
+    // Root port: type 4. Upstream port: type 5, no ACS.
+    assert_eq!(read16(&mut e, ecam(0, 1, 0, 0x42)) >> 4 & 0xf, 4);
+    assert_eq!(read16(&mut e, ecam(1, 0, 0, 0x42)) >> 4 & 0xf, 5);
+    assert_eq!(capabilities(&mut e, 1, 0).1, []);
+    // The GPU: endpoint, MSI-X in BAR0, ATS.
+    let (caps, ext) = capabilities(&mut e, 3, 0);
+    assert_eq!(caps, [(0x10, 0x40), (0x11, 0x80)]);
+    assert_eq!(ext, [(0x000f, 0x100)]);
+    assert_eq!(read16(&mut e, ecam(3, 0, 0, 0x82)) & 0x7ff, 15, "16 vectors");
+    assert_eq!(read32(&mut e, ecam(3, 0, 0, 0x84)), 0, "table in BAR0 at 0");
+    // The host bridge function has no capabilities.
+    assert_eq!(capabilities(&mut e, 0, 0), (vec![], vec![]));
+}
+
+#[test]
+fn test_type1_config_ports_and_reset_register() {
+    let signal = Arc::new(gdrvm_devices::GuestExitSignal::new().unwrap());
+    let mut io = ConfigIo::new(segment(), Box::new(ResetRegister::new(signal.clone())));
+    let select = |io: &mut ConfigIo, bus: u32, dev: u32, reg: u32| {
+        io.write(0, &(0x8000_0000 | bus << 16 | dev << 11 | reg).to_le_bytes());
+    };
+    select(&mut io, 3, 0, 0);
+    let mut w = [0u8; 4];
+    io.read(4, &mut w);
+    assert_eq!(u32::from_le_bytes(w), 0x20b2_10de);
+    let mut h = [0u8; 2];
+    io.read(6, &mut h);
+    assert_eq!(u16::from_le_bytes(h), 0x20b2);
+    io.read(0, &mut w);
+    assert_eq!(u32::from_le_bytes(w), 0x8003_0000);
+    // Enable bit clear: the data port reads all-ones.
+    io.write(0, &0x0003_0000u32.to_le_bytes());
+    io.read(4, &mut w);
+    assert_eq!(w, [0xff; 4]);
+    // Linux's probe writes one byte to 0xcfb: harmless.
+    io.write(3, &[1]);
+    assert_eq!(signal.exit(), None);
+    io.write(1, &[gdrvm_devices::ACPI_RESET_VALUE]);
+    assert_eq!(signal.exit(), Some(gdrvm_devices::GuestExit::Reset));
+}
+
+#[test]
+fn test_guest_garbage_never_panics() {
+    // A guest may write anything anywhere; a cheap LCG sweeps offsets, sizes and values.
+    let mut e = Ecam(segment());
+    let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+    for _ in 0..200_000 {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let off = (x >> 8) % ECAM_SPAN;
+        let len = [1, 2, 4, 8, 3, 16][(x >> 60) as usize % 6];
+        let data = x.to_le_bytes().repeat(2);
+        if x & 1 == 0 {
+            e.write(off, &data[..len]);
+        } else {
+            let mut buf = vec![0u8; len];
+            e.read(off, &mut buf);
+        }
+    }
+    // IDs survive.
+    assert_eq!(read32(&mut e, ecam(3, 0, 0, 0)), 0x20b2_10de);
+}
+
+const ECAM_SPAN: u64 = 256 << 20;
