@@ -19,6 +19,10 @@ pub mod guests {
     pub const NO_INIT: &str = "panic-no-init";
     /// The vela-a100 node scaled to 4 vCPUs and 1 GiB over its two NUMA nodes.
     pub const VELA_NUMA: &str = "vela-a100-4cpu-1g";
+    /// The flat node (vela-a100's devices on one root bus) scaled to 2 vCPUs and 1 GiB.
+    pub const FLAT: &str = "flat-2cpu-1g";
+    /// The minimal node: one GPU and one NIC under one switch.
+    pub const MINIMAL: &str = "minimal-2cpu-1g";
 }
 
 fn specs(a: &Artifacts) -> Vec<VmSpec> {
@@ -26,7 +30,12 @@ fn specs(a: &Artifacts) -> Vec<VmSpec> {
         name: name.into(),
         vmm: Vmm::Gdrvm,
         image: a.guest.clone(),
-        node: (name == guests::VELA_NUMA).then(|| "vela-a100".to_owned()),
+        node: match name {
+            guests::VELA_NUMA => Some("vela-a100".to_owned()),
+            guests::FLAT => Some("flat".to_owned()),
+            guests::MINIMAL => Some("minimal".to_owned()),
+            _ => None,
+        },
         cmdline: cmdline.into(),
         cpus,
         memory: memory.into(),
@@ -38,6 +47,8 @@ fn specs(a: &Artifacts) -> Vec<VmSpec> {
         spec(guests::SMOKE_SMALL, "console=ttyS0 quiet panic=-1 gdrvm.suites=smoke", 1, "512M"),
         spec(guests::NO_INIT, "console=ttyS0 quiet panic=-1 rdinit=/no/such/init", 1, "256M"),
         spec(guests::VELA_NUMA, "console=ttyS0 quiet panic=-1 gdrvm.suites=smoke,topology", 4, "1G"),
+        spec(guests::FLAT, "console=ttyS0 quiet panic=-1 gdrvm.suites=smoke,topology", 2, "1G"),
+        spec(guests::MINIMAL, "console=ttyS0 quiet panic=-1 gdrvm.suites=smoke,topology", 2, "1G"),
     ]
 }
 

@@ -46,6 +46,31 @@ enum TopologyCommand {
         /// A preset (minimal, flat, vela-a100) or a node file.
         node: String,
     },
+    /// Print an NCCL_TOPO_FILE (NCCL topology XML, version 1) whose bus IDs match the guest's.
+    NcclXml {
+        /// A preset or a node file.
+        node: String,
+        #[command(flatten)]
+        scale: Scale,
+    },
+    /// Print the closest QEMU command line (pxb-pcie, pcie-root-port, switch ports).
+    QemuArgs {
+        /// A preset or a node file.
+        node: String,
+        #[command(flatten)]
+        scale: Scale,
+    },
+}
+
+/// Scaling a node down, as `gdrvm run` does.
+#[derive(clap::Args)]
+struct Scale {
+    /// vCPUs, spread over the NUMA nodes [default: the node's].
+    #[arg(long)]
+    cpus: Option<u32>,
+    /// Guest RAM, spread over the NUMA nodes [default: the node's].
+    #[arg(long, value_parser = parse_memory)]
+    memory: Option<u64>,
 }
 
 #[derive(clap::Args)]
@@ -90,10 +115,19 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Run(args) => run(args, started),
-        Command::Topology { command: TopologyCommand::Show { node } } => {
-            match gdrvm_model::node::Node::resolve(&node) {
+        Command::Topology { command } => {
+            let (node, scale, render): (_, _, fn(&Node) -> String) = match command {
+                TopologyCommand::Show { node } => (node, None, Node::render_tree),
+                TopologyCommand::NcclXml { node, scale } => (node, Some(scale), Node::nccl_topology_xml),
+                TopologyCommand::QemuArgs { node, scale } => (node, Some(scale), Node::qemu_args),
+            };
+            let node = Node::resolve(&node).and_then(|n| match scale {
+                Some(s) => n.scaled(s.cpus, s.memory),
+                None => Ok(n),
+            });
+            match node {
                 Ok(node) => {
-                    print!("{}", node.render_tree());
+                    print!("{}", render(&node));
                     ExitCode::SUCCESS
                 }
                 Err(e) => {

@@ -6,6 +6,7 @@
 mod address;
 mod build;
 mod expect;
+mod export;
 mod schema;
 mod tree;
 

@@ -232,3 +232,45 @@ fn test_bar_that_fits_no_window() {
         error(&minimal_with("{ size = \"128G\", prefetchable = true }", "{ size = \"64T\", prefetchable = true }"));
     assert!(huge.starts_with("bad.toml: key endpoint[0] (gpu0).bars[1]: a BAR of 64T fits no window"), "{huge}");
 }
+
+#[test]
+fn test_nccl_xml_snapshot_and_bus_ids() {
+    let vela = preset("vela-a100").scaled(Some(4), Some(1 << 30)).unwrap();
+    let xml = vela.nccl_topology_xml();
+    // Every GPU and NIC the guest has is in the file with its guest bus ID.
+    for f in vela.functions.iter().filter(|f| matches!(f.kind, FunctionKind::Endpoint(_))) {
+        assert!(xml.contains(&format!("busid=\"{}\"", f.bdf)), "{}", f.name);
+    }
+    insta::assert_snapshot!("vela_a100_nccl_xml", xml);
+}
+
+/// QEMU 7.2 must accept the command line (started paused, stopped after a moment).
+#[test]
+fn test_qemu_accepts_qemu_args() {
+    if std::process::Command::new("qemu-system-x86_64").arg("--version").output().is_err() {
+        eprintln!("SKIP test_qemu_accepts_qemu_args: qemu-system-x86_64 not installed");
+        return;
+    }
+    for name in preset_names() {
+        let text = preset(name).scaled(Some(2), Some(1 << 30)).unwrap().qemu_args();
+        let args: Vec<String> = text
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .flat_map(|l| l.trim().trim_end_matches('\\').split_whitespace().map(str::to_owned).collect::<Vec<_>>())
+            .skip(1)
+            .map(|a| a.replace("accel=kvm", "accel=tcg"))
+            .collect();
+        let out = std::process::Command::new("timeout")
+            .arg("3")
+            .arg("qemu-system-x86_64")
+            .args(&args)
+            .args(["-display", "none", "-S", "-monitor", "none", "-serial", "none"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        let errors: Vec<&str> =
+            err.lines().filter(|l| !l.contains("terminating on signal") && !l.contains("has no peer")).collect();
+        assert!(errors.is_empty(), "{name}: {errors:?}\n{text}");
+        assert_eq!(out.status.code(), Some(124), "{name}: QEMU exited early: {err}");
+    }
+}

@@ -4,3 +4,4 @@
 mod bad_input;
 mod boot;
 mod numa;
+mod pci;
