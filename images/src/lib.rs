@@ -11,6 +11,7 @@ mod initramfs;
 mod kernel;
 mod recipe;
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 use gdrvm_model::{ImageManifest, IMAGE_MANIFEST_PATH};
@@ -223,8 +224,18 @@ pub fn build(
     fs.char_dev("dev/console", 5, 1);
     let busybox = busybox_tree.join("bin/busybox");
     fs.file("bin/busybox", Source::Host(busybox.clone()), 0o755);
+    let mut package_files = Vec::new();
+    for p in &recipe.package {
+        let deb = fetch(&p.pin, cache, progress)?;
+        let tree = unpacked.join(format!("{}_{}", p.pin.package, p.pin.version));
+        debian::unpack(&deb, &tree, progress)?;
+        for f in &p.files {
+            add_from_package(&mut fs, &tree, f, &p.pin.package, &mut package_files)?;
+        }
+    }
     for applet in busybox_applets(&busybox)? {
-        if applet != "bin/busybox" && applet != "linuxrc" {
+        // A packaged tool (pciutils' lspci) wins over busybox's applet of the same name.
+        if applet != "bin/busybox" && applet != "linuxrc" && !package_files.contains(&applet) {
             fs.symlink(&applet, "/bin/busybox");
         }
     }
@@ -250,6 +261,43 @@ pub fn build(
     std::fs::write(&manifest_path, &manifest_json).map_err(io(&manifest_path))?;
     std::fs::write(out_dir.join("key"), &key).map_err(io(&out_dir))?;
     Ok(BuiltImage { vmlinux, initramfs, manifest, rebuilt: true })
+}
+
+/// Adds `path` from an unpacked package `tree`: a file as it is, a symlink as a symlink
+/// plus (once) the file it points to inside the same package.
+fn add_from_package(
+    fs: &mut Initramfs,
+    tree: &Path,
+    path: &str,
+    package: &str,
+    added: &mut Vec<String>,
+) -> Result<(), ImageError> {
+    if added.iter().any(|a| a == path) {
+        return Ok(());
+    }
+    let host = tree.join(path);
+    let missing = |reason: String| ImageError::Recipe {
+        path: PathBuf::from(format!("package {package}")),
+        reason: format!("file {path}: {reason}"),
+    };
+    let meta = std::fs::symlink_metadata(&host).map_err(|e| missing(e.to_string()))?;
+    added.push(path.to_owned());
+    if meta.file_type().is_symlink() {
+        let target = std::fs::read_link(&host).map_err(io(&host))?;
+        let target = target.to_string_lossy().into_owned();
+        fs.symlink(path, &target);
+        let resolved = match target.strip_prefix('/') {
+            Some(abs) => abs.to_owned(),
+            None => Path::new(path).parent().unwrap_or(Path::new("")).join(&target).to_string_lossy().into_owned(),
+        };
+        if tree.join(&resolved).exists() {
+            add_from_package(fs, tree, &resolved, package, added)?;
+        }
+        return Ok(());
+    }
+    let mode = if meta.permissions().mode() & 0o111 != 0 { 0o755 } else { 0o644 };
+    fs.file(path, Source::Host(host), mode);
+    Ok(())
 }
 
 /// The applet paths busybox installs (`busybox --list-full`: `bin/sh`, `sbin/poweroff`...).

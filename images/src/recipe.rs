@@ -41,6 +41,18 @@ pub struct Modules {
     pub try_load: Vec<String>,
 }
 
+/// A package some of whose files go into the image at the same paths (symlinks kept, their
+/// targets added too).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FilesPackage {
+    /// The package.
+    #[serde(flatten)]
+    pub pin: Package,
+    /// Paths inside the package, without a leading `/`.
+    pub files: Vec<String>,
+}
+
 /// A whole recipe.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -56,6 +68,9 @@ pub struct Recipe {
     /// Kernel modules.
     #[serde(default)]
     pub modules: Modules,
+    /// Userland tools from Debian packages (e.g. pciutils and its libraries).
+    #[serde(default)]
+    pub package: Vec<FilesPackage>,
     /// Where the recipe was read from.
     #[serde(skip)]
     pub path: PathBuf,
@@ -78,9 +93,16 @@ impl Recipe {
         let mut recipe: Recipe = toml::from_str(text).map_err(|e| bad(e.to_string().trim().replace('\n', " ")))?;
         recipe.path = path.to_owned();
         recipe.text = text.to_owned();
-        for (key, pin) in [("kernel", &recipe.kernel.pin), ("busybox", &recipe.busybox)] {
+        let mut pins = vec![("kernel".to_owned(), &recipe.kernel.pin), ("busybox".to_owned(), &recipe.busybox)];
+        pins.extend(recipe.package.iter().enumerate().map(|(i, p)| (format!("package[{i}]"), &p.pin)));
+        for (key, pin) in pins {
             if pin.sha256.len() != 64 || !pin.sha256.chars().all(|c| c.is_ascii_hexdigit()) {
                 return Err(bad(format!("key {key}.sha256: expected 64 hex digits, got '{}'", pin.sha256)));
+            }
+        }
+        for (i, p) in recipe.package.iter().enumerate() {
+            if let Some(f) = p.files.iter().find(|f| f.starts_with('/') || f.split('/').any(|c| c == "..")) {
+                return Err(bad(format!("key package[{i}].files: '{f}' must be a relative path inside the package")));
             }
         }
         if recipe.name.is_empty() || recipe.name.contains('/') {

@@ -1,5 +1,6 @@
 //! Test suites the agent runs, by name.
 
+mod lspci;
 mod pci;
 mod smoke;
 mod topology;

@@ -1,6 +1,7 @@
 //! `topology`: the guest sees the node's layout. NUMA here (the nodes Linux brought up,
 //! each node's CPUs, RAM and SLIT distances, against the VMM's expectations), then the PCI
-//! tree and NCCL's paths ([`super::pci`]).
+//! tree and NCCL's paths ([`super::pci`]), and the tree as the guest's lspci decodes it
+//! ([`super::lspci`]).
 
 use crate::context::Context;
 use crate::ktap::{Check, Verdict};
@@ -12,6 +13,7 @@ const NODE_MEMORY_TOLERANCE: f64 = 0.02;
 pub fn run(ctx: &Context) -> Vec<Check> {
     let mut checks = numa(ctx);
     checks.extend(super::pci::run(ctx));
+    checks.extend(super::lspci::run(ctx));
     checks
 }
 
