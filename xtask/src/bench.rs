@@ -1,6 +1,9 @@
-//! `cargo xtask bench boot`: gdrvm against QEMU booting the same vmlinux and initramfs, in
-//! the same environment (inside the same L1 when nested), alternating, medians of N runs.
-//! It reports figures; it asserts nothing.
+//! `cargo xtask bench`: figures, never assertions.
+//! - `boot`: gdrvm against QEMU booting the same vmlinux and initramfs, in the same
+//!   environment (inside the same L1 when nested), alternating, medians of N runs.
+//! - `topology`: the same guest on vela-a100 and on minimal, alternating: the ratio is the
+//!   cost of a big PCIe tree (config accesses, ACPI namespace) to the time to the agent.
+//! - `ecam`: criterion's figures for one ECAM access, against a reference in the same run.
 
 use std::time::Duration;
 
@@ -88,6 +91,65 @@ pub async fn boot(runner: &Runner, rounds: usize) -> Result<()> {
         "xtask: bench: gdrvm RSS beyond guest RAM: median {} (target < 16 MiB)",
         median(rss).map_or("n/a".into(), |m| format!("{m:.1} MiB"))
     );
+    Ok(())
+}
+
+/// The nodes `bench topology` compares, in the order each round runs them.
+const NODES: [&str; 2] = ["vela-a100", "minimal"];
+
+/// Runs the topology benchmark and prints its figures.
+pub async fn topology(runner: &Runner, rounds: usize) -> Result<()> {
+    if rounds < 1 {
+        bail!("--rounds must be at least 1");
+    }
+    println!("xtask: bench topology: {rounds} rounds of {NODES:?}, alternating, {:?} runner", runner.kind);
+    let specs: Vec<VmSpec> = (0..rounds)
+        .flat_map(|round| {
+            NODES.iter().map(move |node| VmSpec {
+                name: format!("{node} #{round}"),
+                vmm: Vmm::Gdrvm,
+                image: runner.artifacts.guest.clone(),
+                node: Some((*node).to_owned()),
+                cmdline: "console=ttyS0 quiet panic=-1 gdrvm.suites=".into(),
+                cpus: 2,
+                memory: "1G".into(),
+                timeout: Duration::from_secs(180),
+            })
+        })
+        .collect();
+    let results = runner.run(&specs).await?;
+    let mut medians = Vec::new();
+    for node in NODES {
+        let times: Vec<f64> = results
+            .iter()
+            .filter(|r| r.name.starts_with(&format!("{node} #")))
+            .filter_map(|r| r.time_to_ktap.map(|d| d.as_secs_f64()))
+            .collect();
+        let m = median(times.clone());
+        println!(
+            "xtask: bench: {node:<10} time to agent: median {} over {} runs ({})",
+            m.map_or("n/a".into(), |m| format!("{m:.3} s")),
+            times.len(),
+            times.iter().map(|t| format!("{t:.2}")).collect::<Vec<_>>().join(", ")
+        );
+        medians.push(m);
+    }
+    match (medians[0], medians[1]) {
+        (Some(v), Some(m)) => println!("xtask: bench: ratio vela-a100 / minimal = {:.3} (target <= 1.10)", v / m),
+        _ => println!("xtask: bench: ratio n/a (a run produced no KTAP)"),
+    }
+    Ok(())
+}
+
+/// Runs the ECAM criterion benchmark (its own output is the report).
+pub fn ecam() -> Result<()> {
+    println!("xtask: bench ecam: criterion, per access, VM exit excluded (target <= 100 ns)");
+    let status = std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args(["bench", "-p", "gdrvm", "--bench", "ecam", "--", "--noplot"])
+        .status()?;
+    if !status.success() {
+        bail!("cargo bench failed: {status}");
+    }
     Ok(())
 }
 

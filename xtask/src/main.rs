@@ -72,6 +72,13 @@ enum Cmd {
         #[command(subcommand)]
         what: BenchCmd,
     },
+    /// Fuzz the node-file parser and checker with cargo-fuzz (libFuzzer), seeded with the
+    /// presets. Needs cargo-fuzz (`cargo install cargo-fuzz`) and a C++ compiler.
+    Fuzz {
+        /// How long to run.
+        #[arg(long, default_value_t = 10)]
+        minutes: u64,
+    },
     /// Run every test: dependency guard, unit tests and end-to-end boots.
     Test {
         /// Extra arguments for `cargo test`.
@@ -92,6 +99,19 @@ enum BenchCmd {
         #[arg(long, value_enum, default_value = "auto")]
         runner: RunnerArg,
     },
+    /// Time to the agent's first KTAP line on vela-a100 (41 PCI functions, two NUMA nodes)
+    /// over minimal (6 functions), same vCPUs and RAM, alternating: the cost of the tree.
+    Topology {
+        /// Runs of each node (the median is reported).
+        #[arg(long, default_value_t = 5)]
+        rounds: usize,
+        /// Where VMs run.
+        #[arg(long, value_enum, default_value = "auto")]
+        runner: RunnerArg,
+    },
+    /// ECAM config-access dispatch cost (criterion, no VM exit), against a lock-and-copy
+    /// reference in the same process.
+    Ecam,
 }
 
 fn main() -> ExitCode {
@@ -105,7 +125,10 @@ fn main() -> ExitCode {
         Cmd::Image => build::artifacts().map(|_| exit::PASS),
         Cmd::Boot { suites, shell, run } => boot(&suites, shell, &run),
         Cmd::Test { cargo_args } => test(&cargo_args),
+        Cmd::Fuzz { minutes } => fuzz(minutes),
         Cmd::Bench { what: BenchCmd::Boot { rounds, runner: arg } } => bench_boot(rounds, arg),
+        Cmd::Bench { what: BenchCmd::Topology { rounds, runner: arg } } => bench_topology(rounds, arg),
+        Cmd::Bench { what: BenchCmd::Ecam } => bench::ecam().map(|_| exit::PASS),
     };
     match code {
         Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
@@ -189,6 +212,44 @@ fn bench_boot(rounds: usize, arg: RunnerArg) -> Result<i32> {
     run_interruptible(async {
         let runner = runner(artifacts, arg, false).await?;
         bench::boot(&runner, rounds).await?;
+        Ok(exit::PASS)
+    })
+}
+
+/// Runs the `node_file` fuzz target for `minutes`. libFuzzer writes new inputs to
+/// fuzz/corpus (the presets are read-only seeds) and crashes to fuzz/artifacts.
+fn fuzz(minutes: u64) -> Result<i32> {
+    let have_cargo_fuzz =
+        std::process::Command::new("cargo").args(["fuzz", "--version"]).output().is_ok_and(|o| o.status.success());
+    if !have_cargo_fuzz {
+        println!("xtask: fuzz: cannot run: cargo-fuzz is not installed (cargo install cargo-fuzz)");
+        return Ok(exit::CANNOT_TEST);
+    }
+    host::require_commands(&[("c++", "g++")])?;
+    let root = build::workspace();
+    std::fs::create_dir_all(root.join("fuzz/corpus/node_file"))?;
+    // `-s none`: no sanitizer, so no nightly-only -Z flags; Rust's own checks (bounds,
+    // overflow with debug assertions) still turn bugs into crashes.
+    let status = std::process::Command::new("cargo")
+        .current_dir(root.join("fuzz"))
+        .args(["fuzz", "run", "-s", "none", "node_file", "corpus/node_file", "../model/presets", "--"])
+        .arg(format!("-max_total_time={}", minutes * 60))
+        .arg("-timeout=10")
+        .status()?;
+    if status.success() {
+        println!("xtask: fuzz: node_file ran {minutes} min without a crash");
+        Ok(exit::PASS)
+    } else {
+        println!("xtask: fuzz: node_file failed ({status}); the input is under fuzz/artifacts/node_file");
+        Ok(exit::FAIL)
+    }
+}
+
+fn bench_topology(rounds: usize, arg: RunnerArg) -> Result<i32> {
+    let artifacts = build::artifacts()?;
+    run_interruptible(async {
+        let runner = runner(artifacts, arg, false).await?;
+        bench::topology(&runner, rounds).await?;
         Ok(exit::PASS)
     })
 }

@@ -107,3 +107,29 @@ fn test_bad_sha256_names_the_package() {
     let leftovers: Vec<_> = std::fs::read_dir(dir.path().join("debs")).unwrap().collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
 }
+
+#[test]
+fn test_bad_node_file_names_file_key_and_reason() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let minimal = include_str!("../../../model/presets/minimal.toml");
+    let cases = [
+        ("syntax.toml", minimal.replacen("ports = 2", "ports = = 2", 1), "TOML: "),
+        ("width.toml", minimal.replacen("link = \"16GT/s x16\"\nats", "link = \"16GT/s x3\"\nats", 1), "x3 is not"),
+        ("numa.toml", minimal.replacen("numa = 0", "numa = 3", 1), "key host_bridge[0] (pxb0).numa: NUMA node 3"),
+        (
+            "bar.toml",
+            minimal.replacen("{ size = \"16M\", bits = 32 }", "{ size = \"1G\", bits = 32 }", 1),
+            "key endpoint[0] (gpu0).bars[0]: a BAR of 1G fits no window",
+        ),
+    ];
+    for (name, text, want) in cases {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).expect("write node file");
+        let node = path.to_string_lossy().into_owned();
+        let Some((code, err)) = gdrvm(&["--kernel", "/no/such/vmlinux", "--node", &node]) else { return };
+        assert_eq!(code, 2, "{name}: {err}");
+        let lines = error_lines(&err);
+        assert_eq!(lines.len(), 1, "{name}: {err}");
+        assert!(lines[0].starts_with(&format!("gdrvm: error: {node}: ")) && lines[0].contains(want), "{name}: {err}");
+    }
+}
