@@ -4,6 +4,7 @@
 //! model; gdrvm needs only a sorted range map with all-ones reads for holes.
 
 use std::collections::{BTreeMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// A device reachable by guest loads and stores at an address range.
@@ -42,6 +43,7 @@ pub struct Bus {
     name: &'static str,
     devices: BTreeMap<u64, Entry>,
     unclaimed_seen: Mutex<HashSet<u64>>,
+    unclaimed: AtomicU64,
 }
 
 impl Bus {
@@ -99,7 +101,13 @@ impl Bus {
         }
     }
 
+    /// Accesses no device claimed (unbacked BARs, probes of empty space) since the start.
+    pub fn unclaimed(&self) -> u64 {
+        self.unclaimed.load(Ordering::Relaxed)
+    }
+
     fn note_unclaimed(&self, addr: u64, what: &str) {
+        self.unclaimed.fetch_add(1, Ordering::Relaxed);
         let mut seen = self.unclaimed_seen.lock().unwrap_or_else(|p| p.into_inner());
         // Bounded: a guest sweeping addresses must not grow the set without limit.
         if seen.len() < 4096 && seen.insert(addr) {
@@ -140,6 +148,7 @@ mod tests {
         // An access straddling the end of a range is unclaimed.
         let mut w = [0u8; 2];
         assert!(!bus.read(0x3ff, &mut w));
+        assert_eq!(bus.unclaimed(), 2);
         assert!(bus.write(0x3f9, &[7]));
         assert_eq!(dev.lock().unwrap().0, vec![(1, vec![7])]);
     }

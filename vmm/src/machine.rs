@@ -113,6 +113,8 @@ pub struct RunReport {
     pub setup: Option<Duration>,
     /// Resident memory of the VMM beyond guest RAM (anonymous + file-backed), in KiB.
     pub rss_beyond_guest_kib: Option<u64>,
+    /// MMIO accesses nothing claimed (unbacked BARs read as all-ones), counted, not fatal.
+    pub unclaimed_mmio: u64,
 }
 
 /// Console wiring for a run.
@@ -187,6 +189,7 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
         status: signal.status(),
         setup: threads.first_run.get().map(|t| t.duration_since(started)),
         rss_beyond_guest_kib: rss_beyond_guest_kib(),
+        unclaimed_mmio: ctx.mmio.unclaimed(),
     })
 }
 

@@ -172,9 +172,10 @@ fn run(args: RunArgs, started: Instant) -> ExitCode {
     };
     if args.stats {
         eprintln!(
-            "gdrvm-stats: {{\"setup_us\": {}, \"rss_beyond_guest_kib\": {}}}",
+            "gdrvm-stats: {{\"setup_us\": {}, \"rss_beyond_guest_kib\": {}, \"unclaimed_mmio\": {}}}",
             report.setup.map_or("null".into(), |d| d.as_micros().to_string()),
             report.rss_beyond_guest_kib.map_or("null".into(), |v| v.to_string()),
+            report.unclaimed_mmio,
         );
     }
     match (report.outcome, report.status) {
