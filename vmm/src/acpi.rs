@@ -207,23 +207,27 @@ struct Com1;
 
 impl Aml for Com1 {
     fn to_aml_bytes(&self, sink: &mut dyn acpi_tables::AmlSink) {
-        let hid = aml::EISAName::new("PNP0501");
         let io = aml::IO::new(COM1_PORT, COM1_PORT, 1, 8);
         let irq = aml::Interrupt::new(true, true, false, false, COM1_IRQ);
-        let crs = aml::ResourceTemplate::new(vec![&io, &irq]);
-        aml::Scope::new(
-            "\\_SB_".into(),
-            vec![&aml::Device::new(
-                "COM1".into(),
-                vec![
-                    &aml::Name::new("_HID".into(), &hid),
-                    &aml::Name::new("_UID".into(), &0u8),
-                    &aml::Name::new("_CRS".into(), &crs),
-                ],
-            )],
-        )
-        .to_aml_bytes(sink);
+        system_bus_device(sink, "COM1", "PNP0501", &aml::ResourceTemplate::new(vec![&io, &irq]));
     }
+}
+
+/// `Scope (\_SB) { Device (name) { _HID, _UID 0, _CRS } }`.
+fn system_bus_device(sink: &mut dyn acpi_tables::AmlSink, name: &str, hid: &str, crs: &dyn Aml) {
+    let hid = aml::EISAName::new(hid);
+    aml::Scope::new(
+        "\\_SB_".into(),
+        vec![&aml::Device::new(
+            name.into(),
+            vec![
+                &aml::Name::new("_HID".into(), &hid),
+                &aml::Name::new("_UID".into(), &0u8),
+                &aml::Name::new("_CRS".into(), crs),
+            ],
+        )],
+    )
+    .to_aml_bytes(sink);
 }
 
 /// A PCI Express host bridge (PNP0A08, compatible PNP0A03) with its segment, root bus,
@@ -284,21 +288,8 @@ struct EcamReservation;
 
 impl Aml for EcamReservation {
     fn to_aml_bytes(&self, sink: &mut dyn acpi_tables::AmlSink) {
-        let hid = aml::EISAName::new("PNP0C02");
         let ecam = aml::Memory32Fixed::new(false, ECAM_BASE as u32, ECAM_SIZE as u32);
-        let crs = aml::ResourceTemplate::new(vec![&ecam]);
-        aml::Scope::new(
-            "\\_SB_".into(),
-            vec![&aml::Device::new(
-                "ECAM".into(),
-                vec![
-                    &aml::Name::new("_HID".into(), &hid),
-                    &aml::Name::new("_UID".into(), &0u8),
-                    &aml::Name::new("_CRS".into(), &crs),
-                ],
-            )],
-        )
-        .to_aml_bytes(sink);
+        system_bus_device(sink, "ECAM", "PNP0C02", &aml::ResourceTemplate::new(vec![&ecam]));
     }
 }
 

@@ -5,6 +5,9 @@
 //! Non-prefetchable BARs and 32-bit BARs go to the 32-bit window below 4 GiB (a bridge's
 //! non-prefetchable window is 32-bit only); prefetchable 64-bit BARs go to the 64-bit
 //! window above RAM. Items on one bus are packed largest alignment first.
+//!
+//! Written by hand: rust-vmm's `vm-allocator` hands out ranges from one flat pool, while a
+//! PCI tree needs nested windows, each sized from what sits below it before any is placed.
 
 use super::{Bar, FunctionKind, Node, NodeError};
 
