@@ -66,6 +66,21 @@ pub struct PciExpectation {
     pub ats: bool,
     /// MSI-X capability present.
     pub msix: bool,
+    /// Memory BARs: sizes the guest must find, at the addresses the VMM assigned (Linux may
+    /// move them).
+    #[serde(default)]
+    pub bars: Vec<BarExpectation>,
+}
+
+/// A memory BAR.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BarExpectation {
+    /// BAR register index (the line of sysfs `resource`).
+    pub index: u8,
+    /// Size in bytes.
+    pub size: u64,
+    /// Where the VMM put it.
+    pub address: u64,
 }
 
 /// A link as sysfs writes it.

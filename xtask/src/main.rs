@@ -62,6 +62,9 @@ enum Cmd {
         /// A busybox shell on the guest console instead of suites (Ctrl-A x quits).
         #[arg(long)]
         shell: bool,
+        /// Extra kernel parameters (e.g. "pci=realloc"), appended to the command line.
+        #[arg(long, default_value = "")]
+        append: String,
         #[command(flatten)]
         run: RunOpts,
     },
@@ -123,7 +126,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let code = match cli.command {
         Cmd::Image => build::artifacts().map(|_| exit::PASS),
-        Cmd::Boot { suites, shell, run } => boot(&suites, shell, &run),
+        Cmd::Boot { suites, shell, append, run } => boot(&suites, shell, &append, &run),
         Cmd::Test { cargo_args } => test(&cargo_args),
         Cmd::Fuzz { minutes } => fuzz(minutes),
         Cmd::Bench { what: BenchCmd::Boot { rounds, runner: arg } } => bench_boot(rounds, arg),
@@ -173,17 +176,19 @@ async fn runner(artifacts: Artifacts, arg: RunnerArg, echo: bool) -> Result<Runn
     Ok(Runner { kind, artifacts, echo })
 }
 
-fn boot(suites: &[String], shell: bool, opts: &RunOpts) -> Result<i32> {
+fn boot(suites: &[String], shell: bool, append: &str, opts: &RunOpts) -> Result<i32> {
     let mut spec = VmSpec {
         name: "boot".into(),
         vmm: Vmm::Gdrvm,
         image: BootImage { kernel: PathBuf::new(), initrd: PathBuf::new() },
         node: opts.node.clone(),
         cmdline: if shell {
-            "console=ttyS0 quiet panic=-1 gdrvm.shell".into()
+            format!("console=ttyS0 quiet panic=-1 gdrvm.shell {append}")
         } else {
-            format!("console=ttyS0 quiet panic=-1 gdrvm.suites={}", suites.join(","))
-        },
+            format!("console=ttyS0 quiet panic=-1 gdrvm.suites={} {append}", suites.join(","))
+        }
+        .trim_end()
+        .to_owned(),
         cpus: opts.cpus,
         memory: opts.memory.clone(),
         timeout: Duration::from_secs(opts.timeout),

@@ -158,6 +158,7 @@ mod tests {
             acs: false,
             ats: true,
             msix: true,
+            bars: vec![],
         }
     }
 

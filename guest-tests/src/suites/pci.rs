@@ -35,6 +35,8 @@ struct Seen {
     acs: bool,
     ats: bool,
     msix: bool,
+    /// Memory resources from sysfs `resource`, by BAR index: (start, size).
+    bars: BTreeMap<u8, (u64, u64)>,
 }
 
 impl Seen {
@@ -132,6 +134,20 @@ fn capabilities(config: &[u8]) -> (bool, bool, bool) {
     (acs, ats, msix)
 }
 
+/// BARs 0-5 from sysfs `resource` ("start end flags" per line, zeros when unused).
+fn read_bars(dir: &Path) -> BTreeMap<u8, (u64, u64)> {
+    let text = read_text(dir, "resource").unwrap_or_default();
+    let hex = |s: &str| u64::from_str_radix(s.trim_start_matches("0x"), 16).ok();
+    (0u8..6)
+        .zip(text.lines())
+        .filter_map(|(i, line)| {
+            let mut w = line.split_whitespace();
+            let (start, end) = (hex(w.next()?)?, hex(w.next()?)?);
+            (end > start).then_some((i, (start, end - start + 1)))
+        })
+        .collect()
+}
+
 fn read_function(ctx: &Context, bdf: &str) -> Option<Seen> {
     let dir = ctx.path(&format!("{SYSFS_PCI}/{bdf}"));
     let real = std::fs::canonicalize(&dir).ok()?;
@@ -159,6 +175,7 @@ fn read_function(ctx: &Context, bdf: &str) -> Option<Seen> {
         acs,
         ats,
         msix,
+        bars: read_bars(&dir),
     })
 }
 
@@ -207,7 +224,26 @@ fn differences(want: &PciExpectation, seen: &Seen) -> Vec<String> {
     check("ACS", want.acs.to_string(), seen.acs.to_string());
     check("ATS", want.ats.to_string(), seen.ats.to_string());
     check("MSI-X", want.msix.to_string(), seen.msix.to_string());
+    for bar in &want.bars {
+        let size = seen.bars.get(&bar.index).map_or(0, |(_, size)| *size);
+        check(&format!("BAR{} size", bar.index), bar.size.to_string(), size.to_string());
+    }
     out
+}
+
+/// BARs at the address the VMM gave them, and BARs Linux moved.
+fn bar_placement(expect: &[PciExpectation], seen: &BTreeMap<String, Seen>) -> (usize, usize) {
+    let (mut kept, mut moved) = (0, 0);
+    for want in expect {
+        for bar in &want.bars {
+            match seen.get(&want.bdf).and_then(|s| s.bars.get(&bar.index)) {
+                Some((start, _)) if *start == bar.address => kept += 1,
+                Some(_) => moved += 1,
+                None => {}
+            }
+        }
+    }
+    (kept, moved)
 }
 
 /// The PCI checks of `topology`.
@@ -232,6 +268,10 @@ pub fn run(ctx: &Context) -> Vec<Check> {
         },
     );
     tree.diagnostics.push(format!("{} PCI functions", seen.len()));
+    if let Some(e) = expect {
+        let (kept, moved) = bar_placement(&e.pci, &seen);
+        tree.diagnostics.push(format!("BARs: {kept} where the VMM put them, {moved} moved by Linux"));
+    }
     tree.diagnostics.extend(seen.values().map(Seen::describe));
     let mut checks = vec![tree];
 
@@ -366,6 +406,12 @@ mod tests {
                 files.insert("current_link_speed", s);
                 files.insert("current_link_width", w.to_string());
             }
+            let mut resource = vec!["0x0000000000000000 0x0000000000000000 0x0000000000000000".to_owned(); 6];
+            for b in &f.bars {
+                resource[usize::from(b.index)] =
+                    format!("{:#018x} {:#018x} 0x0000000000040200", b.address, b.address + b.size - 1);
+            }
+            files.insert("resource", resource.join("\n"));
             alter(&f.bdf, &mut files);
             for (name, text) in files {
                 std::fs::write(path.join(name), format!("{text}\n")).unwrap();
@@ -422,6 +468,8 @@ mod tests {
     fn test_sysfs_as_promised_passes_and_nccl_sees_pix() {
         let checks = checks_on("minimal", |_, _| {});
         assert_eq!(failed(&checks), []);
+        let tree = checks.iter().find(|c| c.name == "pci_functions").unwrap();
+        assert_eq!(tree.diagnostics[1], "BARs: 4 where the VMM put them, 0 moved by Linux");
         let gdr = checks.iter().find(|c| c.name == "nccl_gdr").unwrap();
         assert_eq!(gdr.diagnostics[0], "nccl gpu 0000:03:00.0 nic 0000:04:00.0 PIX gdr on bw 24.0 GB/s");
         let flat = checks_on("flat", |_, _| {});
@@ -445,6 +493,31 @@ mod tests {
                 "numa_node -1, expected 0; current link 16.0 GT/s PCIe x1, expected 16.0 GT/s PCIe x16".to_owned()
             )]
         );
+    }
+
+    #[test]
+    fn test_a_wrong_bar_size_fails_and_a_moved_bar_is_counted() {
+        let checks = checks_on("minimal", |bdf, files| {
+            if bdf == "0000:04:00.0" {
+                // The NIC's 2 MiB BAR0 seen as 1 MiB.
+                files.insert("resource", "0x0000004100000000 0x00000041000fffff 0x0000000000140204".into());
+            }
+            if bdf == "0000:03:00.0" {
+                // Linux moved the GPU's 16 MiB BAR0 (same size).
+                let r = files["resource"].replacen(
+                    "0x00000000c0000000 0x00000000c0ffffff",
+                    "0x00000000c1000000 0x00000000c1ffffff",
+                    1,
+                );
+                files.insert("resource", r);
+            }
+        });
+        assert_eq!(
+            failed(&checks),
+            [("pci_04:00.0_nic0".to_owned(), "BAR0 size 1048576, expected 2097152".to_owned())]
+        );
+        let tree = checks.iter().find(|c| c.name == "pci_functions").unwrap();
+        assert_eq!(tree.diagnostics[1], "BARs: 2 where the VMM put them, 2 moved by Linux");
     }
 
     #[test]

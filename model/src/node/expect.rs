@@ -2,7 +2,7 @@
 
 use super::{EndpointKind, FunctionKind, Node};
 use crate::nccl::{self, PciDevice};
-use crate::{LinkExpectation, PathExpectation, PciExpectation};
+use crate::{BarExpectation, LinkExpectation, PathExpectation, PciExpectation};
 
 impl FunctionKind {
     /// The name expectations and reports use.
@@ -63,6 +63,11 @@ impl Node {
                     acs: f.acs,
                     ats: f.ats,
                     msix: f.msix_bar().is_some(),
+                    bars: f
+                        .bars
+                        .iter()
+                        .map(|b| BarExpectation { index: b.index, size: b.size, address: b.address })
+                        .collect(),
                 }
             })
             .collect();

@@ -48,6 +48,14 @@ fn pci_lines(topo: &SuiteResult) -> BTreeMap<String, PciLine> {
         .collect()
 }
 
+/// "BARs: N where the VMM put them, M moved by Linux" → (N, M).
+fn bar_placement(topo: &SuiteResult) -> (u32, u32) {
+    let case = topo.cases.iter().find(|c| c.name == "pci_functions").expect("pci_functions check");
+    let line = case.diagnostics.iter().find_map(|l| l.strip_prefix("BARs: ")).expect("a BARs line");
+    let w: Vec<&str> = line.split_whitespace().collect();
+    (w[0].parse().expect("kept count"), w[6].parse().expect("moved count"))
+}
+
 /// NCCL's verdict for every GPU-NIC pair: (GPU, NIC) → (path type, GDR on).
 fn gpu_nic_paths(topo: &SuiteResult) -> BTreeMap<(String, String), (String, bool)> {
     let case = topo.cases.iter().find(|c| c.name == "nccl_gdr").expect("nccl_gdr check");
@@ -115,6 +123,8 @@ fn test_vela_gpus_nics_numa_links_and_pix_pairs() {
     }
     // GPU and NIC on different NUMA nodes: SYS.
     assert_eq!(paths[&("0000:03:00.0".into(), "0000:13:00.0".into())].0, "SYS");
+    // Linux kept every BAR where the VMM put them: 3 per GPU, 1 per NIC, 1 per NVSwitch.
+    assert_eq!(bar_placement(&topo), (8 * 3 + 2 + 6, 0));
 }
 
 #[test]
