@@ -62,6 +62,9 @@ pub struct PciExpectation {
     pub link: Option<LinkExpectation>,
     /// ACS extended capability present.
     pub acs: bool,
+    /// Its ACS Control register (0 without ACS).
+    #[serde(default)]
+    pub acs_control: u16,
     /// ATS extended capability present.
     pub ats: bool,
     /// MSI-X capability present.

@@ -65,6 +65,20 @@ fn differences(want: &PciExpectation, block: &[String]) -> Vec<String> {
             }
         }
     }
+    if want.acs {
+        // "ACSCtl: SrcValid+ TransBlk- ReqRedir+ CmpltRedir+ UpstreamFwd+ EgressCtrl- DirectTrans-"
+        let names = ["SrcValid+", "TransBlk+", "ReqRedir+", "CmpltRedir+", "UpstreamFwd+"];
+        let seen = find("ACSCtl:").map(|l| {
+            names
+                .iter()
+                .enumerate()
+                .filter(|(_, n)| l.split_whitespace().any(|w| w == **n))
+                .fold(0u16, |a, (i, _)| a | 1 << i)
+        });
+        if seen != Some(want.acs_control) {
+            out.push(format!("ACSCtl {seen:?}, expected {:#06x}", want.acs_control));
+        }
+    }
     let has = |what: &str| block.iter().any(|l| l.starts_with("Capabilities:") && l.contains(what));
     if has("Access Control Services") != want.acs {
         out.push(format!("ACS capability {}, expected {}", has("Access Control Services"), want.acs));
@@ -156,6 +170,7 @@ mod tests {
                 current: Some(("16.0 GT/s PCIe".into(), 16)),
             }),
             acs: false,
+            acs_control: 0,
             ats: true,
             msix: true,
             bars: vec![],
@@ -171,8 +186,20 @@ mod tests {
         narrow.link.as_mut().unwrap().max_width = 8;
         narrow.acs = true;
         let d = differences(&narrow, &b["03:00.0"]);
-        assert_eq!(d.len(), 2, "{d:?}");
-        assert!(d[0].starts_with("LnkCap") && d[1].starts_with("ACS capability false"));
+        assert_eq!(d.len(), 3, "{d:?}");
+        assert!(
+            d[0].starts_with("LnkCap") && d[1].starts_with("ACSCtl None") && d[2].starts_with("ACS capability false")
+        );
+        // A downstream port with ReqRedir, CmpltRedir and UpstreamFwd set.
+        let port = blocks(
+            "02:00.0 PCI bridge: Broadcom / LSI Device c010
+\tCapabilities: [100 v1] Access Control Services
+\t\tACSCap:\tSrcValid+ TransBlk+ ReqRedir+ CmpltRedir+ UpstreamFwd+ EgressCtrl- DirectTrans-
+\t\tACSCtl:\tSrcValid- TransBlk- ReqRedir+ CmpltRedir+ UpstreamFwd+ EgressCtrl- DirectTrans-
+",
+        );
+        let want = PciExpectation { link: None, acs: true, acs_control: 0x1c, ats: false, msix: false, ..gpu() };
+        assert_eq!(differences(&want, &port["02:00.0"]), Vec::<String>::new());
         assert_eq!(lspci_speed("2.5 GT/s PCIe"), "2.5GT/s");
         assert_eq!(lspci_speed("8.0 GT/s PCIe"), "8GT/s");
     }

@@ -32,7 +32,8 @@ struct Seen {
     max_link: Option<(String, u8)>,
     /// `current_link_*`; `None` when the link is down (width 0).
     current_link: Option<(String, u8)>,
-    acs: bool,
+    /// The ACS Control register, when the ACS capability is there.
+    acs: Option<u16>,
     ats: bool,
     msix: bool,
     /// Memory resources from sysfs `resource`, by BAR index: (start, size).
@@ -76,7 +77,7 @@ impl Seen {
             self.device,
             self.class,
             self.numa_node,
-            flag(self.acs),
+            flag(self.acs.is_some()),
             flag(self.ats),
             flag(self.msix),
             indent = 2 * self.depth()
@@ -102,9 +103,10 @@ fn read_text(dir: &Path, file: &str) -> Option<String> {
     std::fs::read_to_string(dir.join(file)).ok().map(|s| s.trim().to_owned())
 }
 
-/// Capability flags from the raw configuration space (`config`, 4 KiB when readable).
-fn capabilities(config: &[u8]) -> (bool, bool, bool) {
-    let (mut acs, mut ats, mut msix) = (false, false, false);
+/// Capabilities from the raw configuration space (`config`, 4 KiB when readable): ACS (its
+/// control register), ATS, MSI-X.
+fn capabilities(config: &[u8]) -> (Option<u16>, bool, bool) {
+    let (mut acs, mut ats, mut msix) = (None, false, false);
     let byte = |at: usize| config.get(at).copied().unwrap_or(0);
     if byte(0x06) & 0x10 != 0 {
         let mut at = usize::from(byte(0x34) & 0xfc);
@@ -124,7 +126,9 @@ fn capabilities(config: &[u8]) -> (bool, bool, bool) {
         if header == 0 || header == u32::MAX {
             break;
         }
-        acs |= header & 0xffff == EXT_CAP_ID_ACS;
+        if header & 0xffff == EXT_CAP_ID_ACS {
+            acs = config.get(at + 6..at + 8).map(|b| u16::from_le_bytes([b[0], b[1]]));
+        }
         ats |= header & 0xffff == EXT_CAP_ID_ATS;
         at = (header >> 20) as usize & 0xffc;
         if at < 0x100 {
@@ -221,7 +225,10 @@ fn differences(want: &PciExpectation, seen: &Seen) -> Vec<String> {
     };
     check("max link", show(&max), show(&seen.max_link));
     check("current link", show(&current), show(&seen.current_link));
-    check("ACS", want.acs.to_string(), seen.acs.to_string());
+    check("ACS", want.acs.to_string(), seen.acs.is_some().to_string());
+    if let Some(control) = seen.acs.filter(|_| want.acs) {
+        check("ACS control", format!("{:#06x}", want.acs_control), format!("{control:#06x}"));
+    }
     check("ATS", want.ats.to_string(), seen.ats.to_string());
     check("MSI-X", want.msix.to_string(), seen.msix.to_string());
     for bar in &want.bars {
@@ -367,12 +374,13 @@ mod tests {
         config[0x80] = CAP_ID_MSIX;
         config[0x100..0x104].copy_from_slice(&(EXT_CAP_ID_ATS | (1 << 16) | (0x140 << 20)).to_le_bytes());
         config[0x140..0x144].copy_from_slice(&(EXT_CAP_ID_ACS | (1 << 16)).to_le_bytes());
-        assert_eq!(capabilities(&config), (true, true, true));
+        config[0x146] = 0x1c;
+        assert_eq!(capabilities(&config), (Some(0x1c), true, true));
         // 256 bytes only (no extended space), a looping list: no hang, no extended caps.
         let mut short = config[..256].to_vec();
         short[0x81] = 0x40;
-        assert_eq!(capabilities(&short), (false, false, true));
-        assert_eq!(capabilities(&[]), (false, false, false));
+        assert_eq!(capabilities(&short), (None, false, true));
+        assert_eq!(capabilities(&[]), (None, false, false));
     }
 
     /// A sysfs tree (devices under `/sys/devices/pci0000:BB/...`, links in `/sys/bus/pci/devices`)
@@ -433,6 +441,7 @@ mod tests {
             };
             if ext != 0 {
                 config[0x100..0x104].copy_from_slice(&(ext | (1 << 16)).to_le_bytes());
+                config[0x106..0x108].copy_from_slice(&f.acs_control.to_le_bytes());
             }
             std::fs::write(path.join("config"), config).unwrap();
             std::os::unix::fs::symlink(&path, links.join(&f.bdf)).unwrap();

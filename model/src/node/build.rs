@@ -63,6 +63,7 @@ fn bridge(name: String, key: String, kind: FunctionKind, at: At, ids: (u16, u16)
         subsystem: None,
         link: Some(link),
         acs,
+        acs_control: 0,
         ats: false,
         virtual_function: false,
         bars: Vec::new(),
@@ -300,6 +301,21 @@ impl Builder<'_> {
         NodeError { origin: self.origin.to_owned(), key, reason }
     }
 
+    /// The ACS Control value for `names` on a port whose ACS capability is `present`.
+    fn acs_control(&self, present: bool, names: &[String], k: &str) -> Result<u16, NodeError> {
+        if !present && !names.is_empty() {
+            return Err(self.err(k.to_owned(), "ACS controls on a port without ACS (acs = false)".into()));
+        }
+        let mut bits = 0u16;
+        for name in names {
+            let bit = super::ACS_CONTROLS.iter().position(|c| c == name).ok_or_else(|| {
+                self.err(k.to_owned(), format!("'{name}' is not an ACS control ({})", super::ACS_CONTROLS.join(", ")))
+            })?;
+            bits |= 1 << bit;
+        }
+        Ok(bits)
+    }
+
     fn link(&mut self, name: &str, text: &str, k: String) -> Result<(), NodeError> {
         let link = Link::parse(text).map_err(|r| self.err(k, r))?;
         self.links.insert(name.to_owned(), link);
@@ -407,7 +423,8 @@ impl Builder<'_> {
                 let link = self.links[&rp.name];
                 let at = At { bdf, host_bridge: h, parent };
                 let k = format!("root_port[{i}] ({})", rp.name);
-                let f = bridge(rp.name.clone(), k, FunctionKind::RootPort, at, ROOT_PORT_ID, link, rp.acs);
+                let mut f = bridge(rp.name.clone(), k.clone(), FunctionKind::RootPort, at, ROOT_PORT_ID, link, rp.acs);
+                f.acs_control = self.acs_control(rp.acs, &rp.acs_control, &format!("{k}.acs_control"))?;
                 let me = self.push(f);
                 let below = self.rp_child[i];
                 self.bridge_below(me, below.into_iter().collect(), h, &key("root_port", i, &rp.name, "link"))
@@ -428,7 +445,8 @@ impl Builder<'_> {
                     let pbdf = Bdf { bus: internal, device: port, function: 0 };
                     let name = format!("{}.down{port}", sw.name);
                     let at = At { bdf: pbdf, host_bridge: h, parent: Some(up) };
-                    let down = bridge(name, sk.clone(), FunctionKind::SwitchDownstream, at, ids, link, sw.acs);
+                    let mut down = bridge(name, sk.clone(), FunctionKind::SwitchDownstream, at, ids, link, sw.acs);
+                    down.acs_control = self.acs_control(sw.acs, &sw.acs_control, &format!("{sk}.acs_control"))?;
                     let down = self.push(down);
                     self.bridge_below(down, children.get(usize::from(port)).copied().into_iter().collect(), h, &k)?;
                 }
@@ -464,6 +482,7 @@ impl Builder<'_> {
                     subsystem: ep.subsystem.map(|[v, d]| (v, d)),
                     link: Some(self.links[&ep.name]),
                     acs: false,
+                    acs_control: 0,
                     ats: ep.ats,
                     virtual_function: ep.virtual_function,
                     bars,

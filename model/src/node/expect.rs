@@ -61,6 +61,7 @@ impl Node {
                         current: self.negotiated_link(i).map(|t| (t.speed.sysfs().to_owned(), t.width)),
                     }),
                     acs: f.acs,
+                    acs_control: f.acs_control,
                     ats: f.ats,
                     msix: f.msix_bar().is_some(),
                     bars: f

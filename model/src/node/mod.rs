@@ -250,6 +250,8 @@ pub struct Function {
     pub link: Option<Link>,
     /// ACS capability (ports).
     pub acs: bool,
+    /// ACS Control register at boot (bits as [`ACS_CONTROLS`] names them); 0 without ACS.
+    pub acs_control: u16,
     /// ATS capability (endpoints).
     pub ats: bool,
     /// An SR-IOV virtual function.
@@ -261,6 +263,11 @@ pub struct Function {
     /// For bridges: the windows the VMM assigns.
     pub windows: Option<BridgeWindows>,
 }
+
+/// The ACS controls a node file may set, by bit of the ACS Control register (PCIe 4.0,
+/// 7.7.7.3): the five every gdrvm port offers.
+pub const ACS_CONTROLS: [&str; 5] =
+    ["source_validation", "translation_blocking", "request_redirect", "completion_redirect", "upstream_forwarding"];
 
 /// MSI-X vectors each emulated endpoint offers.
 pub const MSIX_VECTORS: u16 = 16;

@@ -51,6 +51,9 @@ pub struct RootPortEntry {
     pub link: String,
     #[serde(default = "yes")]
     pub acs: bool,
+    /// ACS controls set at boot (see [`super::AcsControl`]).
+    #[serde(default)]
+    pub acs_control: Vec<String>,
 }
 
 /// `[[switch]]`: an upstream port and `ports` downstream ports, below a root port or a
@@ -68,6 +71,9 @@ pub struct SwitchEntry {
     pub device: Option<u16>,
     #[serde(default = "yes")]
     pub acs: bool,
+    /// ACS controls set at boot on every downstream port.
+    #[serde(default)]
+    pub acs_control: Vec<String>,
 }
 
 /// `[[endpoint]]`: a PCIe function.

@@ -48,6 +48,7 @@ fn test_minimal_tree() {
     );
     assert_eq!(ancestors(&node, "nic0"), ["sw0.down1", "sw0.up", "rp0"]);
     assert!(by_name(&node, "nic0").virtual_function);
+    assert_eq!((by_name(&node, "sw0.down0").acs, by_name(&node, "sw0.down0").acs_control), (true, 0));
 }
 
 #[test]
@@ -66,6 +67,9 @@ fn test_vela_gpus_nics_and_numa() {
     assert_eq!(node.cpus(), 80);
     // Host bridges own disjoint, increasing bus ranges.
     assert!(node.host_bridges.windows(2).all(|w| w[0].last_bus < w[1].first_bus));
+    // Vela's switches redirect P2P requests and completions, and forward upstream.
+    assert_eq!(by_name(&node, "sw2.down1").acs_control, 0b11100);
+    assert_eq!(by_name(&node, "rp2").acs_control, 0);
     let nvswitches = node.functions.iter().filter(|f| f.kind == FunctionKind::Endpoint(EndpointKind::NvSwitch)).count();
     assert_eq!(nvswitches, 6);
 }
@@ -189,6 +193,13 @@ fn test_bad_files_name_file_key_and_reason() {
     assert!(
         error(&minimal_with("ports = 2", "ports = 1")).contains("switch 'sw0' has only 1 downstream ports, all taken")
     );
+    assert_eq!(
+        error(&minimal_with("ports = 2", "ports = 2\nacs_control = [\"redirect\"]")),
+        "bad.toml: key switch[0] (sw0).acs_control: 'redirect' is not an ACS control (source_validation, \
+         translation_blocking, request_redirect, completion_redirect, upstream_forwarding)"
+    );
+    assert!(error(&minimal_with("ports = 2", "ports = 2\nacs = false\nacs_control = [\"request_redirect\"]"))
+        .contains("ACS controls on a port without ACS"));
 }
 
 #[test]

@@ -93,6 +93,15 @@ impl Node {
         }
         if f.acs {
             line.push_str(" ACS");
+            let on: Vec<&str> = super::ACS_CONTROLS
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| f.acs_control & (1 << i) != 0)
+                .map(|(_, n)| *n)
+                .collect();
+            if !on.is_empty() {
+                let _ = write!(line, "({})", on.join(","));
+            }
         }
         if f.ats {
             line.push_str(" ATS");

@@ -116,6 +116,7 @@ impl ConfigSpace {
         }
         if f.acs {
             c.ext_capability(EXT_CAP_ID_ACS, ACS_CAPABILITIES, ACS_CAPABILITIES);
+            c.set16(EXT_CAP + 6, f.acs_control & ACS_CAPABILITIES);
         } else if f.ats {
             c.ext_capability(EXT_CAP_ID_ATS, ATS_CAPABILITIES, 0x801f);
         }

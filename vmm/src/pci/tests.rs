@@ -201,3 +201,16 @@ fn test_guest_garbage_never_panics() {
 }
 
 const ECAM_SPAN: u64 = 256 << 20;
+
+#[test]
+fn test_acs_control_as_the_node_sets_it() {
+    let vela = Node::preset("vela-a100").unwrap().unwrap();
+    let mut e = Ecam(Arc::new(Mutex::new(PciSegment::new(&vela))));
+    // sw0.down0 at 02:00.0: request and completion redirect, upstream forwarding.
+    assert_eq!(read16(&mut e, ecam(2, 0, 0, 0x106)), 0x001c);
+    // Writable within the offered controls, the rest stays 0.
+    e.write(ecam(2, 0, 0, 0x106), &0xffffu16.to_le_bytes());
+    assert_eq!(read16(&mut e, ecam(2, 0, 0, 0x106)), ACS_CAPABILITIES);
+    // rp0 at 00:01.0 has ACS with nothing enabled.
+    assert_eq!(read16(&mut e, ecam(0, 1, 0, 0x106)), 0);
+}
