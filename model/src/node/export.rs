@@ -6,22 +6,25 @@ use std::fmt::Write as _;
 
 use super::{EndpointKind, FunctionKind, Node};
 
+/// NCCL's PCI tree: for each PCI node's bus ID (`None`: a CPU), the functions below it.
+type NcclTree = BTreeMap<Option<String>, BTreeSet<usize>>;
+
 impl Node {
     /// NCCL's topology XML (version 1) for a guest booted on this node: one `cpu` per NUMA
     /// node, under it the PCI nodes NCCL builds from sysfs (a switch's upstream port stands
     /// for the switch, as NCCL's xml.cc folds one bridge level out of two) and the GPUs,
     /// NICs and NVSwitches with the bus IDs the guest sees.
     pub fn nccl_topology_xml(&self) -> String {
+        let tree = self.nccl_tree();
         let mut out = String::from("<system version=\"1\">\n");
         let mut first_cpu = 0u32;
         for numa in &self.numa {
             let affinity = cpu_mask(first_cpu, numa.cpus);
             first_cpu += numa.cpus;
             let _ = writeln!(out, "  <cpu numaid=\"{}\" affinity=\"{affinity}\" arch=\"x86_64\">", numa.id);
-            let roots: Vec<usize> =
-                self.nccl_children(None).into_iter().filter(|&i| self.numa_of(i) == numa.id).collect();
+            let roots = self.nccl_children(&tree, None).into_iter().filter(|&i| self.numa_of(i) == numa.id);
             for i in roots {
-                self.write_nccl_pci(&mut out, i, 2);
+                self.write_nccl_pci(&tree, &mut out, i, 2);
             }
             out.push_str("  </cpu>\n");
         }
@@ -43,9 +46,9 @@ impl Node {
 
     /// NCCL's tree: for each PCI node (`None`: a CPU), the functions hanging from it. The
     /// PCI nodes are the functions on the devices' NCCL parent chains.
-    fn nccl_tree(&self) -> BTreeMap<Option<String>, BTreeSet<usize>> {
+    fn nccl_tree(&self) -> NcclTree {
         let index = |bdf: &str| self.functions.iter().position(|f| f.bdf.to_string() == bdf);
-        let mut tree: BTreeMap<Option<String>, BTreeSet<usize>> = BTreeMap::new();
+        let mut tree = NcclTree::new();
         for leaf in (0..self.functions.len()).filter(|&i| self.nccl_leaf(i)) {
             let dev = self.nccl_device(leaf);
             let chain = dev.nccl_parents();
@@ -59,15 +62,15 @@ impl Node {
         tree
     }
 
-    /// What hangs from NCCL PCI node `parent` (`None`: from a CPU).
-    fn nccl_children(&self, parent: Option<&str>) -> Vec<usize> {
+    /// What hangs from NCCL PCI node `parent` (`None`: from a CPU) in `tree`.
+    fn nccl_children(&self, tree: &NcclTree, parent: Option<&str>) -> Vec<usize> {
         let mut out: Vec<usize> =
-            self.nccl_tree().remove(&parent.map(str::to_owned)).unwrap_or_default().into_iter().collect();
+            tree.get(&parent.map(str::to_owned)).map(|c| c.iter().copied().collect()).unwrap_or_default();
         out.sort_by_key(|&i| self.functions[i].bdf);
         out
     }
 
-    fn write_nccl_pci(&self, out: &mut String, i: usize, depth: usize) {
+    fn write_nccl_pci(&self, tree: &NcclTree, out: &mut String, i: usize, depth: usize) {
         let f = &self.functions[i];
         let (sv, sd) = f.subsystem.unwrap_or((0, 0));
         let link =
@@ -83,8 +86,8 @@ impl Node {
             return;
         }
         let _ = writeln!(out, "{indent}<pci {attrs}>");
-        for c in self.nccl_children(Some(&f.bdf.to_string())) {
-            self.write_nccl_pci(out, c, depth + 1);
+        for c in self.nccl_children(tree, Some(&f.bdf.to_string())) {
+            self.write_nccl_pci(tree, out, c, depth + 1);
         }
         let _ = writeln!(out, "{indent}</pci>");
     }
