@@ -306,6 +306,13 @@ impl VmResult {
             .unwrap_or_default()
     }
 
+    /// The guest reset (gdrvm exit 1, no status) before the agent printed anything and
+    /// without a kernel panic on the console: a triple fault in early boot. Seen only in
+    /// nested runs under QEMU TCG, intermittently; the nested runner runs such a guest again.
+    pub fn silent_reset(&self) -> bool {
+        self.outcome == VmOutcome::Exited(1) && !self.panicked && self.time_to_ktap.is_none()
+    }
+
     /// The last [`TAIL_LINES`] console lines.
     pub fn tail(&self) -> &[String] {
         &self.console[self.console.len().saturating_sub(TAIL_LINES)..]
@@ -485,8 +492,32 @@ impl Runner {
 
     /// Runs `specs` in one L1 boot. If L1 stalls (a job overruns its timeout with no word
     /// from L1's agent, as when L1's emulated CPUs wedge), the job it stalled on and those
-    /// after it run again, once, in a fresh L1; the rerun job's console says so.
+    /// after it run again, once, in a fresh L1; the rerun job's console says so. Guests that
+    /// reset before printing anything also run again once (see [`VmResult::silent_reset`]).
     async fn run_nested(&self, specs: &[VmSpec]) -> Result<Vec<VmResult>, HarnessError> {
+        let mut results = self.run_nested_stall_safe(specs).await?;
+        let silent: Vec<usize> = (0..results.len()).filter(|&i| results[i].silent_reset()).collect();
+        if silent.is_empty() {
+            return Ok(results);
+        }
+        let again: Vec<VmSpec> = silent.iter().map(|&i| specs[i].clone()).collect();
+        tracing::warn!(jobs = ?again.iter().map(|s| &s.name).collect::<Vec<_>>(), "guests reset before printing anything; running them again in a fresh L1");
+        let rerun = self.run_nested_stall_safe(&again).await?;
+        for (&i, mut r) in silent.iter().zip(rerun) {
+            let first = results[i].tail().join("\n");
+            r.console.insert(
+                0,
+                format!(
+                    "L1: the guest reset before printing anything (a triple fault in early boot, seen only \
+                     nested under TCG); it ran again in a fresh L1. First run's last lines:\n{first}"
+                ),
+            );
+            results[i] = r;
+        }
+        Ok(results)
+    }
+
+    async fn run_nested_stall_safe(&self, specs: &[VmSpec]) -> Result<Vec<VmResult>, HarnessError> {
         let mut batch = self.run_nested_once(specs).await?;
         if let Some(stalled) = batch.stalled {
             tracing::warn!(job = %specs[stalled].name, "L1 stalled; running the rest of the batch in a fresh L1");
@@ -690,6 +721,17 @@ mod tests {
     }
 
     const PASSING: &str = "KTAP version 1\n1..1\n    1..1\n    ok 1 a\nok 1 smoke";
+
+    #[test]
+    fn test_silent_reset_only_without_output_or_panic() {
+        assert!(result(VmOutcome::Exited(1), "gdrvm: the guest reset without reporting a status").silent_reset());
+        let panicked = "Kernel panic - not syncing: VFS: Unable to mount root fs\ngdrvm: the guest reset";
+        assert!(!result(VmOutcome::Exited(1), panicked).silent_reset());
+        assert!(!result(VmOutcome::Exited(0), "").silent_reset());
+        let mut spoke = result(VmOutcome::Exited(1), "KTAP version 1");
+        spoke.time_to_ktap = Some(Duration::from_secs(9));
+        assert!(!spoke.silent_reset());
+    }
 
     #[test]
     fn test_exit_codes_follow_bisect() {
