@@ -1,6 +1,7 @@
-//! What the guest's own pciutils say (`lspci -tv`, `lspci -vvv`), read against the VMM's
-//! expectations: every function listed, and each one's link capability and status, ACS and
-//! ATS as lspci decodes them from config space (a second reader besides sysfs).
+//! What the guest's own pciutils say (`lspci -tv`, `lspci -PP`, `lspci -vvv`), read against
+//! the VMM's expectations: the tree (each function's path through the bridges above it),
+//! and each one's link capability and status, ACS and ATS as lspci decodes them from config
+//! space (a second reader besides sysfs).
 
 use std::collections::BTreeMap;
 use std::process::Command;
@@ -108,11 +109,17 @@ pub fn run(ctx: &Context) -> Vec<Check> {
     if !ctx.path(LSPCI).exists() {
         return vec![Check::new("lspci", Verdict::Skip(format!("{LSPCI} is not in this image")))];
     }
-    let (tree, verbose) = match (run_lspci(ctx, &["-tv"]), run_lspci(ctx, &["-vvv"])) {
-        (Ok(t), Ok(v)) => (t, v),
-        (Err(e), _) | (_, Err(e)) => return vec![Check::new("lspci", Verdict::Fail(e))],
+    let (tree, paths, verbose) = match (run_lspci(ctx, &["-tv"]), run_lspci(ctx, &["-PP"]), run_lspci(ctx, &["-vvv"])) {
+        (Ok(t), Ok(p), Ok(v)) => (t, p, v),
+        (Err(e), ..) | (_, Err(e), _) | (.., Err(e)) => return vec![Check::new("lspci", Verdict::Fail(e))],
     };
     let blocks = blocks(&verbose);
+    // `lspci -PP`: "00:01.0/01:00.0/02:00.0/03:00.0 3D controller: ..." per function.
+    let paths: BTreeMap<String, String> = paths
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .map(|p| (p.rsplit('/').next().unwrap_or(p).to_owned(), p.to_owned()))
+        .collect();
     let mut failures = Vec::new();
     for want in &expect.pci {
         let short = want.bdf.trim_start_matches("0000:");
@@ -120,6 +127,18 @@ pub fn run(ctx: &Context) -> Vec<Check> {
             None => failures.push(format!("{short} ({}): not listed by lspci -vvv", want.name)),
             Some(block) => {
                 failures.extend(differences(want, block).into_iter().map(|d| format!("{short} ({}): {d}", want.name)))
+            }
+        }
+    }
+    for want in &expect.pci {
+        let short = |bdf: &str| bdf.trim_start_matches("0000:").to_owned();
+        let mut chain: Vec<String> = want.parents.iter().rev().map(|p| short(p)).collect();
+        chain.push(short(&want.bdf));
+        let want_path = chain.join("/");
+        match paths.get(&short(&want.bdf)) {
+            Some(p) if *p == want_path => {}
+            other => {
+                failures.push(format!("{} ({}): lspci -PP path {other:?}, expected {want_path}", want.bdf, want.name))
             }
         }
     }
@@ -131,7 +150,7 @@ pub fn run(ctx: &Context) -> Vec<Check> {
     check.diagnostics.push("lspci -tv:".into());
     check.diagnostics.extend(tree.lines().map(str::to_owned));
     check.diagnostics.push(format!(
-        "lspci -vvv: {} functions, link, ACS, ATS and MSI-X as expected: {}",
+        "lspci -PP/-vvv: {} functions; tree, link, ACS, ATS and MSI-X as expected: {}",
         blocks.len(),
         failures.is_empty()
     ));
