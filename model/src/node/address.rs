@@ -87,9 +87,10 @@ struct Need {
 
 fn pack(items: &mut [Item]) -> Need {
     items.sort_by_key(|i| std::cmp::Reverse(i.align));
+    // Saturating: an absurd node (two 8 EiB BARs) must end as "fits no window", not overflow.
     let mut size = 0u64;
     for i in items.iter() {
-        size = size.next_multiple_of(i.align) + i.size;
+        size = size.checked_next_multiple_of(i.align).and_then(|s| s.checked_add(i.size)).unwrap_or(u64::MAX);
     }
     Need { size, align: items.first().map_or(1, |i| i.align) }
 }
@@ -108,7 +109,7 @@ impl Assigner<'_> {
             if f.kind.is_bridge() {
                 let need = if pref { self.needs[c].1 } else { self.needs[c].0 };
                 if need.size > 0 {
-                    let size = need.size.next_multiple_of(BRIDGE_GRANULE);
+                    let size = need.size.checked_next_multiple_of(BRIDGE_GRANULE).unwrap_or(u64::MAX);
                     items.push(Item {
                         size,
                         align: need.align.max(BRIDGE_GRANULE),
@@ -187,7 +188,7 @@ pub(super) fn assign(node: &mut Node, origin: &str) -> Result<(), NodeError> {
             let (next, end, what) =
                 if pref { (&mut next64, MMIO64_END, "64-bit") } else { (&mut next32, MMIO32_END, "32-bit") };
             let base = next.next_multiple_of(need.align.max(BRIDGE_GRANULE));
-            let size = need.size.next_multiple_of(BRIDGE_GRANULE);
+            let size = need.size.checked_next_multiple_of(BRIDGE_GRANULE).unwrap_or(u64::MAX);
             if base.checked_add(size).is_none_or(|e| e > end) {
                 return Err(no_window(a.node, origin, h, pref, size, what, end.saturating_sub(*next)));
             }

@@ -242,6 +242,12 @@ fn test_bar_that_fits_no_window() {
     let huge =
         error(&minimal_with("{ size = \"128G\", prefetchable = true }", "{ size = \"64T\", prefetchable = true }"));
     assert!(huge.starts_with("bad.toml: key endpoint[0] (gpu0).bars[1]: a BAR of 64T fits no window"), "{huge}");
+    // Sizes whose sum overflows 64 bits are refused the same way, without overflowing.
+    let absurd = error(&minimal_with(
+        "{ size = \"128G\", prefetchable = true },\n  { size = \"32M\", prefetchable = true }",
+        "{ size = \"8388608T\", prefetchable = true },\n  { size = \"8388608T\", prefetchable = true }",
+    ));
+    assert!(absurd.contains("fits no window"), "{absurd}");
 }
 
 #[test]
