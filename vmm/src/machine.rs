@@ -17,7 +17,7 @@ use gdrvm_devices::{
 };
 use gdrvm_model::node::Node;
 use gdrvm_model::{Expectations, DEBUG_EXIT_PORT};
-use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, KVM_MAX_CPUID_ENTRIES, KVM_PIT_SPEAKER_DUMMY};
+use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, CpuId, KVM_MAX_CPUID_ENTRIES, KVM_PIT_SPEAKER_DUMMY};
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
 use vmm_sys_util::epoll::EventSet;
@@ -138,7 +138,9 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
     register_memory(&vm, &ram.memory)?;
     tracing::debug!(elapsed = ?started.elapsed(), "VM and guest RAM ready");
 
-    check_address_bits(&kvm_sys, &config.node)?;
+    let supported_cpuid =
+        kvm_sys.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(kvm("read the supported CPUID"))?;
+    check_address_bits(&supported_cpuid, &config.node)?;
     let pci = Arc::new(Mutex::new(PciSegment::new(&config.node)));
     let cpus = cpu_topology::layout(config.cpus, &config.node.numa);
     let entry = load_guest(&ram.memory, config, &cpus, initrd.as_deref())?;
@@ -160,7 +162,7 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
         stop: Arc::new(AtomicBool::new(false)),
     };
 
-    let vcpus = create_vcpus(&kvm_sys, &vm, &cpus, entry)?;
+    let vcpus = create_vcpus(&supported_cpuid, &vm, &cpus, entry)?;
     tracing::debug!(elapsed = ?started.elapsed(), "vCPUs configured");
     let mut threads = VcpuThreads::start(vcpus, &ctx)?;
 
@@ -224,13 +226,17 @@ fn load_guest(
 
 /// Creates and configures one vCPU per place; the KVM vCPU id is the APIC id, and vCPU 0
 /// (APIC id 0) is the boot CPU.
-fn create_vcpus(kvm_sys: &Kvm, vm: &VmFd, cpus: &[CpuPlace], entry: boot::BootEntry) -> Result<Vec<VcpuFd>, VmmError> {
-    let base_cpuid = kvm_sys.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(kvm("read supported CPUID"))?;
+fn create_vcpus(
+    base_cpuid: &CpuId,
+    vm: &VmFd,
+    cpus: &[CpuPlace],
+    entry: boot::BootEntry,
+) -> Result<Vec<VcpuFd>, VmmError> {
     let mut vcpus = Vec::new();
     for (id, place) in (0u32..).zip(cpus) {
         let fd = vm.create_vcpu(u64::from(place.apic_id)).map_err(kvm("create a vCPU"))?;
         let boot = (id == 0).then_some(entry);
-        vcpu::configure(&fd, id, &vcpu::cpuid_for(&base_cpuid, place), boot)?;
+        vcpu::configure(&fd, id, &vcpu::cpuid_for(base_cpuid, place), boot)?;
         vcpus.push(fd);
     }
     Ok(vcpus)
@@ -276,8 +282,7 @@ fn register_memory(vm: &VmFd, mem: &vm_memory::GuestMemoryMmap) -> Result<(), Vm
 
 /// Fails when the node's PCI windows reach beyond the guest-physical addresses the vCPUs
 /// can address (CPUID 0x8000_0008 EAX[7:0]).
-fn check_address_bits(kvm_sys: &Kvm, node: &Node) -> Result<(), VmmError> {
-    let cpuid = kvm_sys.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(kvm("read the supported CPUID"))?;
+fn check_address_bits(cpuid: &CpuId, node: &Node) -> Result<(), VmmError> {
     let bits = cpuid.as_slice().iter().find(|e| e.function == 0x8000_0008).map_or(36, |e| e.eax & 0xff);
     let highest = node.highest_mmio();
     if bits < 64 && highest >> bits != 0 {
