@@ -26,6 +26,18 @@ fn median(mut v: Vec<f64>) -> Option<f64> {
     Some(if v.len() % 2 == 0 { (v[mid - 1] + v[mid]) / 2.0 } else { v[mid] })
 }
 
+/// Prints "`what`: median ... over N runs (each run)" and returns the median.
+fn print_median(what: &str, times: &[f64]) -> Option<f64> {
+    let m = median(times.to_vec());
+    println!(
+        "xtask: bench: {what}: median {} over {} runs ({})",
+        m.map_or("n/a".into(), |m| format!("{m:.3} s")),
+        times.len(),
+        times.iter().map(|t| format!("{t:.2}")).collect::<Vec<_>>().join(", ")
+    );
+    m
+}
+
 fn specs(artifacts: &Artifacts, rounds: usize) -> Vec<VmSpec> {
     (0..rounds)
         .flat_map(|round| {
@@ -63,14 +75,7 @@ pub async fn boot(runner: &Runner, rounds: usize) -> Result<()> {
                 println!("  | {line}");
             }
         }
-        let m = median(times.clone());
-        println!(
-            "xtask: bench: {name:<16} time to first KTAP line: median {} over {} runs ({})",
-            m.map_or("n/a".into(), |m| format!("{m:.3} s")),
-            times.len(),
-            times.iter().map(|t| format!("{t:.2}")).collect::<Vec<_>>().join(", ")
-        );
-        medians.push((name, m));
+        medians.push((name, print_median(&format!("{name:<16} time to first KTAP line"), &times)));
     }
     let gdrvm = medians[0].1;
     let best_qemu = medians[1..].iter().filter_map(|(n, m)| m.map(|m| (n, m))).min_by(|a, b| a.1.total_cmp(&b.1));
@@ -125,14 +130,7 @@ pub async fn topology(runner: &Runner, rounds: usize) -> Result<()> {
             .filter(|r| r.name.starts_with(&format!("{node} #")))
             .filter_map(|r| r.time_to_ktap.map(|d| d.as_secs_f64()))
             .collect();
-        let m = median(times.clone());
-        println!(
-            "xtask: bench: {node:<10} time to agent: median {} over {} runs ({})",
-            m.map_or("n/a".into(), |m| format!("{m:.3} s")),
-            times.len(),
-            times.iter().map(|t| format!("{t:.2}")).collect::<Vec<_>>().join(", ")
-        );
-        medians.push(m);
+        medians.push(print_median(&format!("{node:<10} time to agent"), &times));
     }
     match (medians[0], medians[1]) {
         (Some(v), Some(m)) => println!("xtask: bench: ratio vela-a100 / minimal = {:.3} (target <= 1.10)", v / m),
