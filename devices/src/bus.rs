@@ -7,6 +7,8 @@ use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use crate::lock;
+
 /// A device reachable by guest loads and stores at an address range.
 pub trait BusDevice: Send {
     /// Handles a read of `data.len()` bytes at `offset` from the start of the device's range.
@@ -108,17 +110,12 @@ impl Bus {
 
     fn note_unclaimed(&self, addr: u64, what: &str) {
         self.unclaimed.fetch_add(1, Ordering::Relaxed);
-        let mut seen = self.unclaimed_seen.lock().unwrap_or_else(|p| p.into_inner());
+        let mut seen = lock(&self.unclaimed_seen);
         // Bounded: a guest sweeping addresses must not grow the set without limit.
         if seen.len() < 4096 && seen.insert(addr) {
             tracing::debug!(bus = self.name, addr = format_args!("{addr:#x}"), "unclaimed {what} (logged once)");
         }
     }
-}
-
-/// Locks a device, carrying on if another vCPU thread panicked while holding it.
-fn lock(device: &Mutex<dyn BusDevice>) -> std::sync::MutexGuard<'_, dyn BusDevice + 'static> {
-    device.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 #[cfg(test)]

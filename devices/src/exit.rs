@@ -4,6 +4,8 @@ use std::sync::Mutex;
 
 use vmm_sys_util::eventfd::EventFd;
 
+use crate::lock;
+
 /// Why the guest asked to stop.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GuestExit {
@@ -34,7 +36,7 @@ impl GuestExitSignal {
     /// Records a stop request (the first one wins) and wakes the event loop.
     pub fn request(&self, exit: GuestExit) {
         tracing::debug!(?exit, "guest asked the machine to stop");
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut state = lock(&self.state);
         state.0.get_or_insert(exit);
         drop(state);
         if let Err(e) = self.evt.write(1) {
@@ -44,16 +46,16 @@ impl GuestExitSignal {
 
     /// Records the guest's exit status (the last one written wins).
     pub fn set_status(&self, status: u8) {
-        self.state.lock().unwrap_or_else(|p| p.into_inner()).1 = Some(status);
+        lock(&self.state).1 = Some(status);
     }
 
     /// The stop request, if any.
     pub fn exit(&self) -> Option<GuestExit> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner()).0
+        lock(&self.state).0
     }
 
     /// The status the guest reported, if any.
     pub fn status(&self) -> Option<u8> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner()).1
+        lock(&self.state).1
     }
 }

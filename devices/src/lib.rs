@@ -11,10 +11,14 @@ mod exit;
 mod i8042;
 mod serial;
 mod sleep;
+mod sync;
 
 pub use bus::{Bus, BusDevice, BusError};
 pub use debug_exit::DebugExit;
 pub use exit::{GuestExit, GuestExitSignal};
 pub use i8042::I8042;
-pub use serial::{Serial, SerialInput, COM1_IRQ, COM1_PORT};
-pub use sleep::{AcpiSleepControl, ResetRegister, ACPI_RESET_PORT, ACPI_RESET_VALUE, ACPI_SLEEP_PORT, S5_SLEEP_TYPE};
+pub use serial::{Serial, SerialInput, COM1_IRQ, COM1_LEN, COM1_PORT};
+pub use sleep::{
+    AcpiSleepControl, ResetRegister, ACPI_RESET_PORT, ACPI_RESET_VALUE, ACPI_SLEEP_LEN, ACPI_SLEEP_PORT, S5_SLEEP_TYPE,
+};
+pub use sync::lock;

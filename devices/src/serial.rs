@@ -10,6 +10,8 @@ use crate::BusDevice;
 
 /// I/O port base of COM1.
 pub const COM1_PORT: u16 = 0x3f8;
+/// I/O ports a 16550A decodes, from [`COM1_PORT`].
+pub const COM1_LEN: u8 = 8;
 /// ISA interrupt line of COM1.
 pub const COM1_IRQ: u32 = 4;
 

@@ -6,6 +6,8 @@ use crate::{BusDevice, GuestExit, GuestExitSignal};
 
 /// I/O port of the FADT sleep control register (sleep status is the next port).
 pub const ACPI_SLEEP_PORT: u16 = 0x3c0;
+/// I/O ports of the sleep control and status registers, from [`ACPI_SLEEP_PORT`].
+pub const ACPI_SLEEP_LEN: u8 = 2;
 /// I/O port of the FADT reset register (the PC's traditional reset control port).
 pub const ACPI_RESET_PORT: u16 = 0xcf9;
 /// Value the FADT tells the OS to write to the reset register.

@@ -21,6 +21,6 @@ fuzz_target!(|data: &[u8]| {
         let _ = n.nccl_topology_xml();
         let _ = n.qemu_args();
         let _ = Expectations::new(n.cpus(), n.memory(), &n).to_json();
-        assert!(n.highest_mmio() < gdrvm_model::node::MMIO64_END);
+        assert!(n.highest_mmio() < gdrvm_model::layout::MMIO64_END);
     }
 });

@@ -2,9 +2,12 @@
 //!
 //! The VMM writes [`Expectations`] into the guest's initramfs; the image builder writes
 //! [`ImageManifest`]. The agent reads both and compares them with what Linux reports, so
-//! the agent never links the VMM (dependency arrows: agent ← model → vmm).
+//! the agent never links the VMM (dependency arrows: agent ← model → vmm). The guest
+//! memory map ([`layout`]) lives here too, so that the node's PCI windows and the VMM's RAM
+//! and firmware are placed by one definition.
 
 pub mod l1;
+pub mod layout;
 pub mod nccl;
 pub mod node;
 

@@ -6,9 +6,9 @@ use std::hint::black_box;
 use std::sync::{Arc, Mutex};
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use gdrvm::layout::{ECAM_BASE, ECAM_SIZE};
 use gdrvm::pci::{Ecam, PciSegment};
-use gdrvm_devices::Bus;
+use gdrvm_devices::{lock, Bus};
+use gdrvm_model::layout::{ECAM_BASE, ECAM_SIZE};
 use gdrvm_model::node::Node;
 
 fn ecam_dispatch(c: &mut Criterion) {
@@ -31,7 +31,7 @@ fn ecam_dispatch(c: &mut Criterion) {
     c.bench_function("reference_lock_copy4", |b| {
         let mut data = [0u8; 4];
         b.iter(|| {
-            let g = reference.lock().unwrap_or_else(|p| p.into_inner());
+            let g = lock(&reference);
             data.copy_from_slice(&g[black_box(0x50)..0x54]);
         });
     });

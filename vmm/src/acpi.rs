@@ -12,12 +12,12 @@ use acpi_tables::slit::SLIT;
 use acpi_tables::srat::{MemoryAffinity, SRAT};
 use acpi_tables::xsdt::XSDT;
 use acpi_tables::{aml, Aml};
-use gdrvm_devices::{ACPI_RESET_PORT, ACPI_RESET_VALUE, ACPI_SLEEP_PORT, COM1_IRQ, COM1_PORT, S5_SLEEP_TYPE};
-use gdrvm_model::node::{HostBridge, Node, NumaNode, ECAM_BASE, ECAM_SIZE};
+use gdrvm_devices::{ACPI_RESET_PORT, ACPI_RESET_VALUE, ACPI_SLEEP_PORT, COM1_IRQ, COM1_LEN, COM1_PORT, S5_SLEEP_TYPE};
+use gdrvm_model::layout::{self, ECAM_BASE, ECAM_SIZE};
+use gdrvm_model::node::{HostBridge, Node, NumaNode};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 use crate::cpu_topology::CpuPlace;
-use crate::layout;
 
 const OEM_ID: [u8; 6] = *b"GDRVM ";
 const OEM_TABLE_ID: [u8; 8] = *b"GDRVMVM ";
@@ -207,7 +207,7 @@ struct Com1;
 
 impl Aml for Com1 {
     fn to_aml_bytes(&self, sink: &mut dyn acpi_tables::AmlSink) {
-        let io = aml::IO::new(COM1_PORT, COM1_PORT, 1, 8);
+        let io = aml::IO::new(COM1_PORT, COM1_PORT, 1, COM1_LEN);
         let irq = aml::Interrupt::new(true, true, false, false, COM1_IRQ);
         system_bus_device(sink, "COM1", "PNP0501", &aml::ResourceTemplate::new(vec![&io, &irq]));
     }

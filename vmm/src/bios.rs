@@ -32,7 +32,7 @@ mod tests {
     fn test_stub_writes_the_reset_register_and_fits_below_1mib() {
         let stub = reset_stub();
         assert_eq!(&stub[..6], &[0xb0, 0x06, 0xba, 0xf9, 0x0c, 0xee]);
-        assert!(RESET_VECTOR + stub.len() as u64 <= crate::layout::BIOS_END);
+        assert!(RESET_VECTOR + stub.len() as u64 <= gdrvm_model::layout::BIOS_END);
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
         write(&mem).unwrap();
         let mut back = [0u8; 11];

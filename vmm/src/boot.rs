@@ -5,6 +5,7 @@
 use std::fs::File;
 use std::io::Read;
 
+use gdrvm_model::layout::{self, E820Entry};
 use linux_loader::configurator::linux::LinuxBootConfigurator;
 use linux_loader::configurator::pvh::PvhBootConfigurator;
 use linux_loader::configurator::{BootConfigurator, BootParams};
@@ -15,7 +16,6 @@ use linux_loader::loader::{BzImage, Cmdline, Elf, KernelLoader, KernelLoaderResu
 use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryMmap};
 
 use crate::config::VmConfig;
-use crate::layout::{self, E820Entry};
 
 /// Errors loading the guest's boot images.
 #[derive(Debug, thiserror::Error)]

@@ -8,7 +8,6 @@ pub mod config;
 mod console;
 pub mod cpu_topology;
 pub mod initrd;
-pub mod layout;
 pub mod machine;
 pub mod memory;
 pub mod pci;

@@ -12,9 +12,10 @@ use std::time::{Duration, Instant};
 
 use event_manager::{EventManager, EventOps, Events, MutEventSubscriber, SubscriberOps};
 use gdrvm_devices::{
-    AcpiSleepControl, Bus, BusDevice, DebugExit, GuestExit, GuestExitSignal, ResetRegister, Serial, SerialInput,
-    ACPI_RESET_PORT, ACPI_SLEEP_PORT, COM1_IRQ, COM1_PORT, I8042,
+    lock, AcpiSleepControl, Bus, BusDevice, DebugExit, GuestExit, GuestExitSignal, ResetRegister, Serial, SerialInput,
+    ACPI_RESET_PORT, ACPI_SLEEP_LEN, ACPI_SLEEP_PORT, COM1_IRQ, COM1_LEN, COM1_PORT, I8042,
 };
+use gdrvm_model::layout;
 use gdrvm_model::node::Node;
 use gdrvm_model::{Expectations, DEBUG_EXIT_PORT};
 use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, CpuId, KVM_MAX_CPUID_ENTRIES, KVM_PIT_SPEAKER_DUMMY};
@@ -29,7 +30,7 @@ use crate::console::{EscapeFilter, InputAction, RawTerminal};
 use crate::cpu_topology::CpuPlace;
 use crate::pci::{ConfigIo, Ecam, PciSegment, CONFIG_IO_LEN, CONFIG_IO_PORT};
 use crate::vcpu::{self, ExitContext, VcpuError};
-use crate::{acpi, bios, boot, cpu_topology, initrd, layout, memory};
+use crate::{acpi, bios, boot, cpu_topology, initrd, memory};
 
 /// Errors that stop a VM from being built or run.
 #[derive(Debug, thiserror::Error)]
@@ -73,6 +74,18 @@ pub enum VmmError {
         #[source]
         source: std::io::Error,
     },
+    /// Guest RAM could not be written or its host mapping found.
+    #[error("guest memory: cannot {what}")]
+    GuestMemory {
+        /// What was being done.
+        what: &'static str,
+        /// vm-memory's error.
+        #[source]
+        source: vm_memory::GuestMemoryError,
+    },
+    /// The event loop could not be created.
+    #[error("host: cannot create the event loop")]
+    EventLoop(#[source] event_manager::Error),
 }
 
 impl VmmError {
@@ -215,10 +228,7 @@ fn load_guest(
     initrd: Option<&[u8]>,
 ) -> Result<boot::BootEntry, VmmError> {
     let rsdp = acpi::write(mem, cpus, &config.node)?;
-    bios::write(mem).map_err(|_| VmmError::Host {
-        what: "write the reset vector",
-        source: std::io::Error::from_raw_os_error(libc::EFAULT),
-    })?;
+    bios::write(mem).map_err(|source| VmmError::GuestMemory { what: "write the reset vector", source })?;
     let entry = boot::load(mem, config, initrd, rsdp)?;
     vcpu::write_boot_tables(mem, entry.mode)?;
     Ok(entry)
@@ -245,16 +255,13 @@ fn create_vcpus(
 /// Runs the event loop until something asks the VM to stop.
 fn supervise(supervisor: Supervisor) -> Result<StopCause, VmmError> {
     let supervisor = Arc::new(Mutex::new(supervisor));
-    let mut events = EventManager::<Arc<Mutex<Supervisor>>>::new().map_err(|e| VmmError::Host {
-        what: "create the event loop",
-        source: std::io::Error::other(format!("{e:?}")),
-    })?;
+    let mut events = EventManager::<Arc<Mutex<Supervisor>>>::new().map_err(VmmError::EventLoop)?;
     events.add_subscriber(supervisor.clone());
     loop {
         if let Err(e) = events.run() {
             tracing::warn!("event loop: {e:?}");
         }
-        if let Some(cause) = supervisor.lock().unwrap_or_else(|p| p.into_inner()).stop {
+        if let Some(cause) = lock(&supervisor).stop {
             return Ok(cause);
         }
     }
@@ -262,10 +269,9 @@ fn supervise(supervisor: Supervisor) -> Result<StopCause, VmmError> {
 
 fn register_memory(vm: &VmFd, mem: &vm_memory::GuestMemoryMmap) -> Result<(), VmmError> {
     for (slot, region) in (0u32..).zip(mem.iter()) {
-        let host_addr = mem.get_host_address(region.start_addr()).map_err(|_| VmmError::Host {
-            what: "map guest memory",
-            source: std::io::Error::from_raw_os_error(libc::EFAULT),
-        })?;
+        let host_addr = mem
+            .get_host_address(region.start_addr())
+            .map_err(|source| VmmError::GuestMemory { what: "find the host mapping of guest RAM", source })?;
         let region = kvm_userspace_memory_region {
             slot,
             guest_phys_addr: region.start_addr().0,
@@ -305,10 +311,10 @@ fn port_io_bus(
 ) -> Result<Bus, VmmError> {
     let mut pio = Bus::new("pio");
     let mut add = |dev: Arc<Mutex<dyn BusDevice>>, port: u16, len: u64| pio.insert(dev, u64::from(port), len);
-    add(serial, COM1_PORT, 8)?;
+    add(serial, COM1_PORT, u64::from(COM1_LEN))?;
     add(Arc::new(Mutex::new(DebugExit::new(signal.clone()))), DEBUG_EXIT_PORT, 1)?;
     add(Arc::new(Mutex::new(I8042::new(signal.clone()))), I8042::PORT, I8042::LEN)?;
-    add(Arc::new(Mutex::new(AcpiSleepControl::new(signal.clone()))), ACPI_SLEEP_PORT, 2)?;
+    add(Arc::new(Mutex::new(AcpiSleepControl::new(signal.clone()))), ACPI_SLEEP_PORT, u64::from(ACPI_SLEEP_LEN))?;
     // The reset register at 0xcf9 sits inside the type-1 config ports, as on a PC.
     debug_assert_eq!(ACPI_RESET_PORT, CONFIG_IO_PORT + 1);
     let reset = Box::new(ResetRegister::new(signal.clone()));
@@ -332,10 +338,9 @@ struct VcpuThreads {
 impl VcpuThreads {
     /// Starts one thread per vCPU, each running its exit loop with `ctx`.
     fn start(vcpus: Vec<VcpuFd>, ctx: &ExitContext) -> Result<VcpuThreads, VmmError> {
-        register_signal_handler(SIGRTMIN(), kick_handler).map_err(|e| VmmError::Host {
-            what: "install the vCPU kick handler",
-            source: std::io::Error::from_raw_os_error(e.errno()),
-        })?;
+        register_signal_handler(SIGRTMIN(), kick_handler)
+            .map_err(std::io::Error::from)
+            .map_err(host("install the vCPU kick handler"))?;
         let mut threads = VcpuThreads {
             handles: Vec::new(),
             stop: ctx.stop.clone(),
@@ -476,7 +481,7 @@ impl ConsoleInput {
 
     /// Pushes pending bytes into the FIFO; true when everything went in.
     fn flush(&mut self) -> bool {
-        let took = self.serial.lock().unwrap_or_else(|p| p.into_inner()).enqueue(&self.pending);
+        let took = lock(&self.serial).enqueue(&self.pending);
         self.pending.drain(..took);
         self.pending.is_empty()
     }

@@ -5,9 +5,8 @@ use std::ffi::CString;
 use std::fs::File;
 use std::os::fd::FromRawFd;
 
+use gdrvm_model::layout;
 use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap};
-
-use crate::layout;
 
 /// Errors creating guest memory.
 #[derive(Debug, thiserror::Error)]

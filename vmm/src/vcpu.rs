@@ -6,13 +6,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use gdrvm_devices::{Bus, GuestExit, GuestExitSignal};
+use gdrvm_model::layout;
 use kvm_bindings::{kvm_fpu, kvm_msr_entry, kvm_regs, kvm_segment, CpuId, Msrs};
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 use crate::boot::{BootEntry, EntryMode};
 use crate::cpu_topology::CpuPlace;
-use crate::layout;
 
 /// Errors configuring or running a vCPU.
 #[derive(Debug, thiserror::Error)]
@@ -28,9 +28,26 @@ pub enum VcpuError {
         #[source]
         source: kvm_ioctls::Error,
     },
+    /// The boot MSRs do not fit KVM's MSR list.
+    #[error("cannot set up vCPU {id}: {count} boot MSRs do not fit KVM's MSR list")]
+    MsrList {
+        /// vCPU index.
+        id: u32,
+        /// MSRs asked for.
+        count: usize,
+        /// The list's error.
+        #[source]
+        source: vmm_sys_util::fam::Error,
+    },
     /// Boot page tables or GDT could not be written.
-    #[error("cannot write the boot CPU's {0} into guest memory")]
-    GuestWrite(&'static str),
+    #[error("cannot write the boot CPU's {what} into guest memory")]
+    GuestWrite {
+        /// What was being written.
+        what: &'static str,
+        /// vm-memory's error.
+        #[source]
+        source: vm_memory::GuestMemoryError,
+    },
     /// KVM_RUN failed.
     #[error("vCPU {id}: KVM_RUN failed")]
     Run {
@@ -216,11 +233,8 @@ fn set_msrs(vcpu: &VcpuFd, id: u32) -> Result<(), VcpuError> {
     .into_iter()
     .map(|(index, data)| kvm_msr_entry { index, data, ..Default::default() })
     .collect();
-    let msrs = Msrs::from_entries(&entries).map_err(|_| VcpuError::Setup {
-        id,
-        what: "MSRs",
-        source: kvm_ioctls::Error::new(libc::EINVAL),
-    })?;
+    let msrs =
+        Msrs::from_entries(&entries).map_err(|source| VcpuError::MsrList { id, count: entries.len(), source })?;
     let written = vcpu.set_msrs(&msrs).map_err(|source| VcpuError::Setup { id, what: "MSRs", source })?;
     if written != entries.len() {
         tracing::debug!(id, written, wanted = entries.len(), "KVM accepted only some boot MSRs");
@@ -290,13 +304,13 @@ fn set_boot_registers(vcpu: &VcpuFd, id: u32, entry: BootEntry) -> Result<(), Vc
 pub fn write_boot_tables(mem: &GuestMemoryMmap, mode: EntryMode) -> Result<(), VcpuError> {
     let code = if mode == EntryMode::Pvh { GDT_CODE32 } else { GDT_CODE64 };
     let gdt = [0, gdt_entry(code, 0, 0xfffff), gdt_entry(GDT_DATA, 0, 0xfffff), gdt_entry(GDT_TSS, 0, 0xfffff)];
+    let guest_write = |what| move |source| VcpuError::GuestWrite { what, source };
     for (i, e) in gdt.iter().enumerate() {
-        mem.write_obj(*e, GuestAddress(layout::BOOT_GDT_START + 8 * i as u64))
-            .map_err(|_| VcpuError::GuestWrite("GDT"))?;
+        mem.write_obj(*e, GuestAddress(layout::BOOT_GDT_START + 8 * i as u64)).map_err(guest_write("GDT"))?;
     }
-    mem.write_obj(0u64, GuestAddress(layout::BOOT_IDT_START)).map_err(|_| VcpuError::GuestWrite("IDT"))?;
+    mem.write_obj(0u64, GuestAddress(layout::BOOT_IDT_START)).map_err(guest_write("IDT"))?;
     if mode == EntryMode::Linux64 {
-        let pt = |_| VcpuError::GuestWrite("page tables");
+        let pt = guest_write("page tables");
         mem.write_obj(layout::PDPTE_START | 0x3, GuestAddress(layout::PML4_START)).map_err(pt)?;
         mem.write_obj(layout::PDE_START | 0x3, GuestAddress(layout::PDPTE_START)).map_err(pt)?;
         for i in 0..512u64 {

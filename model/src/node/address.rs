@@ -9,23 +9,12 @@
 //! Written by hand: rust-vmm's `vm-allocator` hands out ranges from one flat pool, while a
 //! PCI tree needs nested windows, each sized from what sits below it before any is placed.
 
-use super::{Bar, FunctionKind, Node, NodeError};
+use super::error::KeyError;
+use super::{Bar, FunctionKind, Node};
+use crate::layout::{mmio64_base, MMIO32_BASE, MMIO32_END, MMIO64_END};
 
-/// ECAM (PCIe enhanced configuration space): 1 MiB for each of the 256 buses of segment 0.
-pub const ECAM_BASE: u64 = 0xe000_0000;
-/// ECAM size.
-pub const ECAM_SIZE: u64 = 256 << 20;
-/// Start of the 32-bit PCI MMIO window (the bottom of the MMIO hole below 4 GiB).
-pub const MMIO32_BASE: u64 = 0xc000_0000;
-/// End (exclusive) of the 32-bit PCI MMIO window: ECAM follows it.
-pub const MMIO32_END: u64 = ECAM_BASE;
-/// End (exclusive) of the 64-bit PCI MMIO window: 46 physical address bits, what server
-/// CPUs have at least. The VMM checks the highest address against the vCPU's address bits.
-pub const MMIO64_END: u64 = 1 << 46;
 /// Bridge windows are 1 MiB granular.
 const BRIDGE_GRANULE: u64 = 1 << 20;
-/// Where RAM that does not fit below the MMIO hole resumes.
-const FOUR_GIB: u64 = 1 << 32;
 
 /// A guest-physical address range.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,13 +39,6 @@ pub struct BridgeWindows {
     pub mem: Option<Window>,
     /// Prefetchable 64-bit memory.
     pub pref: Option<Window>,
-}
-
-/// First address of the 64-bit window for a guest with `memory` bytes of RAM laid out below
-/// the MMIO hole and then from 4 GiB: the next GiB above RAM.
-pub fn mmio64_base(memory: u64) -> u64 {
-    let ram_top = if memory <= MMIO32_BASE { FOUR_GIB } else { FOUR_GIB + (memory - MMIO32_BASE) };
-    ram_top.next_multiple_of(1 << 30)
 }
 
 /// Which window a BAR lives in.
@@ -160,7 +142,7 @@ impl Assigner<'_> {
 
 /// Gives every host bridge its windows, every bridge its windows and every BAR its
 /// address, for a guest with the node's RAM. Fails when a BAR fits no window.
-pub(super) fn assign(node: &mut Node, origin: &str) -> Result<(), NodeError> {
+pub(super) fn assign(node: &mut Node) -> Result<(), KeyError> {
     for f in &mut node.functions {
         f.windows = f.kind.is_bridge().then(BridgeWindows::default);
     }
@@ -190,7 +172,7 @@ pub(super) fn assign(node: &mut Node, origin: &str) -> Result<(), NodeError> {
             let base = next.next_multiple_of(need.align.max(BRIDGE_GRANULE));
             let size = need.size.checked_next_multiple_of(BRIDGE_GRANULE).unwrap_or(u64::MAX);
             if base.checked_add(size).is_none_or(|e| e > end) {
-                return Err(no_window(a.node, origin, h, pref, size, what, end.saturating_sub(*next)));
+                return Err(no_window(a.node, h, pref, size, what, end.saturating_sub(*next)));
             }
             let window = Some(Window { base, size });
             let hb = &mut a.node.host_bridges[h];
@@ -206,8 +188,10 @@ pub(super) fn assign(node: &mut Node, origin: &str) -> Result<(), NodeError> {
     Ok(())
 }
 
-/// The error for a host bridge whose BARs do not fit: names the largest BAR below it.
-fn no_window(node: &Node, origin: &str, h: usize, pref: bool, need: u64, what: &str, left: u64) -> NodeError {
+/// The error for a host bridge whose BARs do not fit: names the largest BAR below it (or
+/// the host bridge, should nothing below it have a BAR of that kind).
+fn no_window(node: &Node, h: usize, pref: bool, need: u64, what: &str, left: u64) -> KeyError {
+    let hb = &node.host_bridges[h].name;
     let largest = node
         .functions
         .iter()
@@ -215,15 +199,13 @@ fn no_window(node: &Node, origin: &str, h: usize, pref: bool, need: u64, what: &
         .flat_map(|f| f.bars.iter().enumerate().map(move |(b, bar)| (f, b, bar)))
         .filter(|(_, _, bar)| is_pref(bar) == pref)
         .max_by_key(|(_, _, bar)| bar.size);
-    let key = largest.map_or(String::new(), |(f, b, _)| format!("{}.bars[{b}]", f.key));
+    let key = largest.map_or_else(|| format!("host_bridge[{h}] ({hb})"), |(f, b, _)| format!("{}.bars[{b}]", f.key));
     let size = largest.map_or(0, |(_, _, bar)| bar.size);
-    NodeError::new(
-        origin,
-        &key,
+    KeyError::new(
+        key,
         format!(
-            "a BAR of {} fits no window: host bridge '{}' needs {} of {what} MMIO and only {} is left",
+            "a BAR of {} fits no window: host bridge '{hb}' needs {} of {what} MMIO and only {} is left",
             super::tree::size(size),
-            node.host_bridges[h].name,
             super::tree::size(need),
             super::tree::size(left),
         ),

@@ -5,6 +5,7 @@
 
 mod address;
 mod build;
+mod error;
 mod expect;
 mod export;
 mod schema;
@@ -13,8 +14,10 @@ mod tree;
 use std::fmt;
 use std::path::Path;
 
-pub use address::{mmio64_base, BridgeWindows, Window, ECAM_BASE, ECAM_SIZE, MMIO32_BASE, MMIO32_END, MMIO64_END};
-pub use build::NodeError;
+pub use address::{BridgeWindows, Window};
+pub use error::NodeError;
+
+use error::KeyError;
 
 /// A preset: name, TOML text.
 const PRESETS: &[(&str, &str)] = &[
@@ -299,9 +302,9 @@ pub struct Node {
 impl Node {
     /// Reads and checks a node file.
     pub fn load(path: &Path) -> Result<Node, NodeError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| NodeError::new(&path.display().to_string(), "", e.to_string()))?;
-        Node::parse(&path.display().to_string(), &text)
+        let origin = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|e| NodeError::whole_file(&origin, e.to_string()))?;
+        Node::parse(&origin, &text)
     }
 
     /// A shipped preset by name.
@@ -313,9 +316,8 @@ impl Node {
     pub fn resolve(arg: &str) -> Result<Node, NodeError> {
         match Node::preset(arg) {
             Some(node) if !Path::new(arg).exists() => node,
-            _ if !Path::new(arg).exists() => Err(NodeError::new(
+            _ if !Path::new(arg).exists() => Err(NodeError::whole_file(
                 arg,
-                "",
                 format!("no such node file, and not a preset ({})", preset_names().join(", ")),
             )),
             _ => Node::load(Path::new(arg)),
@@ -380,7 +382,8 @@ impl Node {
         let mut node = self.clone();
         if let Some(cpus) = cpus {
             if cpus < n {
-                return Err(NodeError::new(&self.name, "cpus", format!("{cpus} vCPUs cannot cover {n} NUMA nodes")));
+                let reason = format!("{cpus} vCPUs cannot cover {n} NUMA nodes");
+                return Err(KeyError::new("cpus", reason).in_file(&self.name));
             }
             for (i, numa) in node.numa.iter_mut().enumerate() {
                 numa.cpus = cpus / n + u32::from((i as u32) < cpus % n);
@@ -389,17 +392,14 @@ impl Node {
         if let Some(memory) = memory {
             let each = (memory / u64::from(n)) & !((2 << 20) - 1);
             if each < crate::MIN_GUEST_MEMORY / 2 {
-                return Err(NodeError::new(
-                    &self.name,
-                    "memory",
-                    format!("{memory} bytes is too little for {n} NUMA nodes"),
-                ));
+                let reason = format!("{memory} bytes is too little for {n} NUMA nodes");
+                return Err(KeyError::new("memory", reason).in_file(&self.name));
             }
             for numa in &mut node.numa {
                 numa.memory = each;
             }
         }
-        address::assign(&mut node, &self.name)?;
+        address::assign(&mut node).map_err(|e| e.in_file(&self.name))?;
         Ok(node)
     }
 }

@@ -1,4 +1,5 @@
 use super::*;
+use crate::layout::{mmio64_base, MMIO32_BASE, MMIO32_END, MMIO64_END};
 
 fn preset(name: &str) -> Node {
     Node::preset(name).expect("preset exists").expect("preset is valid")
@@ -200,6 +201,26 @@ fn test_bad_files_name_file_key_and_reason() {
     );
     assert!(error(&minimal_with("ports = 2", "ports = 2\nacs = false\nacs_control = [\"request_redirect\"]"))
         .contains("ACS controls on a port without ACS"));
+}
+
+#[test]
+fn test_endpoint_and_bar_errors_name_their_field() {
+    assert_eq!(
+        error(&minimal_with("kind = \"gpu\"", "kind = \"tpu\"")),
+        "bad.toml: key endpoint[0] (gpu0).kind: 'tpu' is not gpu, nic, nvswitch or generic"
+    );
+    assert_eq!(
+        error(&minimal_with("kind = \"gpu\"", "kind = \"generic\"")),
+        "bad.toml: key endpoint[0] (gpu0).class: a generic endpoint needs its class code"
+    );
+    assert_eq!(
+        error(&minimal_with("{ size = \"16M\", bits = 32 }", "{ size = \"16M\", bits = 16 }")),
+        "bad.toml: key endpoint[0] (gpu0).bars[0].bits: 16 is not 32 or 64"
+    );
+    assert_eq!(
+        error(&minimal_with("{ size = \"2M\", prefetchable = true }", &["{ size = \"2M\" }"; 4].join(", "))),
+        "bad.toml: key endpoint[1] (nic0).bars[3]: more BARs than the six BAR registers hold"
+    );
 }
 
 #[test]

@@ -8,54 +8,26 @@
 
 use gdrvm_model::node::{Bar, BridgeWindows, FunctionKind, Link, LinkSpeed, Node, MSIX_VECTORS};
 
+use super::regs::*;
+
 /// Size of a PCIe function's configuration space.
 pub const CONFIG_SPACE_SIZE: usize = 4096;
 
-/// Offsets in the common header.
-mod reg {
-    pub const VENDOR_ID: usize = 0x00;
-    pub const COMMAND: usize = 0x04;
-    pub const STATUS: usize = 0x06;
-    pub const REVISION: usize = 0x08;
-    pub const CACHE_LINE_SIZE: usize = 0x0c;
-    pub const HEADER_TYPE: usize = 0x0e;
-    pub const BAR0: usize = 0x10;
-    pub const SUBSYSTEM_VENDOR_ID: usize = 0x2c;
-    pub const CAPABILITIES: usize = 0x34;
-    pub const INTERRUPT_LINE: usize = 0x3c;
-    // Type 1 (bridge) header.
-    pub const PRIMARY_BUS: usize = 0x18;
-    pub const MEMORY_BASE: usize = 0x20;
-    pub const PREF_BASE: usize = 0x24;
-    pub const PREF_BASE_UPPER: usize = 0x28;
-    pub const PREF_LIMIT_UPPER: usize = 0x2c;
-    pub const BRIDGE_CONTROL: usize = 0x3e;
-}
-
 /// Command register bits the guest may set: memory space, bus master, parity, SERR, INTx off.
-const COMMAND_WRITABLE: u16 = 0x0546;
-/// Command: memory space enable (firmware has assigned the BARs) and bus master.
-const COMMAND_MEMORY: u16 = 0x0002;
-const COMMAND_MASTER: u16 = 0x0004;
-/// Status: a capability list is present.
-const STATUS_CAP_LIST: u16 = 0x0010;
+const COMMAND_WRITABLE: u16 =
+    PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER | PCI_COMMAND_PARITY | PCI_COMMAND_SERR | PCI_COMMAND_INTX_DISABLE;
 
 /// Where the capabilities sit.
 const PCIE_CAP: usize = 0x40;
-const PCIE_CAP_LEN: usize = 0x3c;
 const MSIX_CAP: usize = 0x80;
-const EXT_CAP: usize = 0x100;
-
-const CAP_ID_PCIE: u8 = 0x10;
-const CAP_ID_MSIX: u8 = 0x11;
-const EXT_CAP_ID_ACS: u16 = 0x000d;
-const EXT_CAP_ID_ATS: u16 = 0x000f;
+/// The one extended capability a function has sits at the start of extended space.
+const EXT_CAP: usize = PCI_CFG_SPACE_SIZE;
 
 /// ACS capability bits offered on root and downstream ports: source validation, translation
 /// blocking, P2P request redirect, completion redirect, upstream forwarding.
 pub const ACS_CAPABILITIES: u16 = 0x001f;
 /// ATS capability: page-aligned requests (invalidate queue depth 0 means 32).
-const ATS_CAPABILITIES: u16 = 0x0020;
+const ATS_CAPABILITIES: u16 = PCI_ATS_CAP_PAGE_ALIGNED;
 
 /// A configuration space and its writable-bit mask.
 #[derive(Clone)]
@@ -74,34 +46,36 @@ impl ConfigSpace {
     pub fn for_function(node: &Node, i: usize) -> Self {
         let f = &node.functions[i];
         let mut c = ConfigSpace::empty();
-        c.set16(reg::VENDOR_ID, f.vendor);
-        c.set16(reg::VENDOR_ID + 2, f.device);
-        c.set8(reg::REVISION, 0x01);
-        c.set8(reg::REVISION + 1, (f.class & 0xff) as u8);
-        c.set16(reg::REVISION + 2, (f.class >> 8) as u16);
-        c.mask8(reg::CACHE_LINE_SIZE, 0xff);
-        c.mask8(reg::INTERRUPT_LINE, 0xff);
-        c.mask16(reg::COMMAND, COMMAND_WRITABLE);
+        c.set16(PCI_VENDOR_ID, f.vendor);
+        c.set16(PCI_DEVICE_ID, f.device);
+        c.set8(PCI_REVISION_ID, 0x01);
+        c.set8(PCI_CLASS_PROG, (f.class & 0xff) as u8);
+        c.set16(PCI_CLASS_DEVICE, (f.class >> 8) as u16);
+        c.mask8(PCI_CACHE_LINE_SIZE, 0xff);
+        c.mask8(PCI_INTERRUPT_LINE, 0xff);
+        c.mask16(PCI_COMMAND, COMMAND_WRITABLE);
         if f.kind.is_bridge() {
             c.bridge_header(f.buses.unwrap_or_default(), f.windows.unwrap_or_default(), f.bdf.bus);
-            c.set16(reg::COMMAND, COMMAND_MEMORY | COMMAND_MASTER);
+            // Firmware has assigned the windows and lets the bridge forward.
+            c.set16(PCI_COMMAND, PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER);
         } else {
             for bar in &f.bars {
                 c.bar(bar);
             }
             if !f.bars.is_empty() {
-                c.set16(reg::COMMAND, COMMAND_MEMORY);
+                // Firmware has assigned the BARs.
+                c.set16(PCI_COMMAND, PCI_COMMAND_MEMORY);
             }
             if let Some((vendor, device)) = f.subsystem {
-                c.set16(reg::SUBSYSTEM_VENDOR_ID, vendor);
-                c.set16(reg::SUBSYSTEM_VENDOR_ID + 2, device);
+                c.set16(PCI_SUBSYSTEM_VENDOR_ID, vendor);
+                c.set16(PCI_SUBSYSTEM_ID, device);
             }
         }
         let Some(port_type) = f.kind.pcie_port_type() else {
             return c;
         };
-        c.set16(reg::STATUS, STATUS_CAP_LIST);
-        c.set8(reg::CAPABILITIES, PCIE_CAP as u8);
+        c.set16(PCI_STATUS, PCI_STATUS_CAP_LIST);
+        c.set8(PCI_CAPABILITY_LIST, PCIE_CAP as u8);
         let msix = f.msix_bar();
         let port_number = if f.kind == FunctionKind::SwitchDownstream { f.bdf.device } else { 0 };
         c.pcie_capability(
@@ -115,10 +89,9 @@ impl ConfigSpace {
             c.msix_capability(bar, MSIX_VECTORS);
         }
         if f.acs {
-            c.ext_capability(EXT_CAP_ID_ACS, ACS_CAPABILITIES, ACS_CAPABILITIES);
-            c.set16(EXT_CAP + 6, f.acs_control & ACS_CAPABILITIES);
+            c.acs_capability(f.acs_control);
         } else if f.ats {
-            c.ext_capability(EXT_CAP_ID_ATS, ATS_CAPABILITIES, 0x801f);
+            c.ats_capability();
         }
         c
     }
@@ -168,11 +141,13 @@ impl ConfigSpace {
 
     /// A memory BAR: address, type bits, and a mask that makes sizing read back its size.
     fn bar(&mut self, bar: &Bar) {
-        let at = reg::BAR0 + 4 * usize::from(bar.index);
-        let flags = (u32::from(bar.prefetchable) << 3) | if bar.is_64bit { 0x4 } else { 0 };
-        self.set32(at, (bar.address as u32 & 0xffff_fff0) | flags);
-        self.mask32(at, !((bar.size - 1) as u32) & 0xffff_fff0);
+        let at = PCI_BASE_ADDRESS_0 + 4 * usize::from(bar.index);
+        let prefetch = if bar.prefetchable { PCI_BASE_ADDRESS_MEM_PREFETCH } else { 0 };
+        let flags = prefetch | if bar.is_64bit { PCI_BASE_ADDRESS_MEM_TYPE_64 } else { 0 };
+        self.set32(at, (bar.address as u32 & PCI_BASE_ADDRESS_MEM_MASK) | flags);
+        self.mask32(at, !((bar.size - 1) as u32) & PCI_BASE_ADDRESS_MEM_MASK);
         if bar.is_64bit {
+            // The next BAR register holds the upper 32 bits.
             self.set32(at + 4, (bar.address >> 32) as u32);
             self.mask32(at + 4, !(((bar.size - 1) >> 32) as u32));
         }
@@ -180,83 +155,113 @@ impl ConfigSpace {
 
     /// The type-1 header: bus numbers and windows, no I/O window, no expansion ROM.
     fn bridge_header(&mut self, (secondary, subordinate): (u8, u8), windows: BridgeWindows, primary: u8) {
-        self.set8(reg::HEADER_TYPE, 0x01);
-        self.set8(reg::PRIMARY_BUS, primary);
-        self.set8(reg::PRIMARY_BUS + 1, secondary);
-        self.set8(reg::PRIMARY_BUS + 2, subordinate);
-        self.mask32(reg::PRIMARY_BUS, 0xffff_ffff);
+        self.set8(PCI_HEADER_TYPE, PCI_HEADER_TYPE_BRIDGE);
+        self.set8(PCI_PRIMARY_BUS, primary);
+        self.set8(PCI_SECONDARY_BUS, secondary);
+        self.set8(PCI_SUBORDINATE_BUS, subordinate);
+        // Primary, secondary and subordinate bus, secondary latency timer.
+        self.mask32(PCI_PRIMARY_BUS, 0xffff_ffff);
         // Memory window: bits 31:20 of base and limit; base above limit means closed.
         let (base, limit) = windows.mem.map_or((0xfff0, 0), |w| ((w.base >> 16) as u16, (w.last() >> 16) as u16));
-        self.set16(reg::MEMORY_BASE, base & 0xfff0);
-        self.set16(reg::MEMORY_BASE + 2, limit & 0xfff0);
-        self.mask32(reg::MEMORY_BASE, 0xfff0_fff0);
-        // Prefetchable window, 64-bit (type 1 in the low nibble).
+        self.set16(PCI_MEMORY_BASE, base & 0xfff0);
+        self.set16(PCI_MEMORY_LIMIT, limit & 0xfff0);
+        self.mask32(PCI_MEMORY_BASE, 0xfff0_fff0);
+        // Prefetchable window, 64-bit.
         let (base, limit) = windows.pref.map_or((0xfff0_0000_0000, 0), |w| (w.base, w.last()));
-        self.set16(reg::PREF_BASE, ((base >> 16) as u16 & 0xfff0) | 1);
-        self.set16(reg::PREF_BASE + 2, ((limit >> 16) as u16 & 0xfff0) | 1);
-        self.set32(reg::PREF_BASE_UPPER, (base >> 32) as u32);
-        self.set32(reg::PREF_LIMIT_UPPER, (limit >> 32) as u32);
-        self.mask32(reg::PREF_BASE, 0xfff0_fff0);
-        self.mask32(reg::PREF_BASE_UPPER, 0xffff_ffff);
-        self.mask32(reg::PREF_LIMIT_UPPER, 0xffff_ffff);
+        self.set16(PCI_PREF_MEMORY_BASE, ((base >> 16) as u16 & 0xfff0) | PCI_PREF_RANGE_TYPE_64);
+        self.set16(PCI_PREF_MEMORY_LIMIT, ((limit >> 16) as u16 & 0xfff0) | PCI_PREF_RANGE_TYPE_64);
+        self.set32(PCI_PREF_BASE_UPPER32, (base >> 32) as u32);
+        self.set32(PCI_PREF_LIMIT_UPPER32, (limit >> 32) as u32);
+        self.mask32(PCI_PREF_MEMORY_BASE, 0xfff0_fff0);
+        self.mask32(PCI_PREF_BASE_UPPER32, 0xffff_ffff);
+        self.mask32(PCI_PREF_LIMIT_UPPER32, 0xffff_ffff);
         // Parity, SERR, ISA, VGA, VGA16, master abort, secondary bus reset.
-        self.mask16(reg::BRIDGE_CONTROL, 0x007f);
+        self.mask16(PCI_BRIDGE_CONTROL, 0x007f);
     }
 
     /// The PCI Express capability (version 2) with the link as configured and trained.
     fn pcie_capability(&mut self, port_type: u8, link: Link, trained: Option<Link>, port: u8, next: usize) {
         let at = PCIE_CAP;
-        let is_endpoint = port_type == 0;
-        let is_downstream = port_type == 0x4 || port_type == 0x6;
-        self.set8(at, CAP_ID_PCIE);
-        self.set8(at + 1, next as u8);
-        self.set16(at + 0x02, 0x0002 | (u16::from(port_type) << 4));
-        // Device capabilities: 256-byte max payload, role-based error reporting; FLR on endpoints.
-        self.set32(at + 0x04, 0x1 | (1 << 15) | if is_endpoint { 1 << 28 } else { 0 });
+        let is_endpoint = port_type == PCI_EXP_TYPE_ENDPOINT;
+        let is_downstream = port_type == PCI_EXP_TYPE_ROOT_PORT || port_type == PCI_EXP_TYPE_DOWNSTREAM;
+        self.set8(at + PCI_CAP_LIST_ID, PCI_CAP_ID_EXP);
+        self.set8(at + PCI_CAP_LIST_NEXT, next as u8);
+        let flags = (2 & PCI_EXP_FLAGS_VERS) | (u16::from(port_type) << PCI_EXP_FLAGS_TYPE.trailing_zeros());
+        self.set16(at + PCI_EXP_FLAGS, flags);
+        // Device capabilities: 256-byte max payload (encoding 1), role-based error reporting;
+        // FLR on endpoints.
+        let flr = if is_endpoint { PCI_EXP_DEVCAP_FLR } else { 0 };
+        self.set32(at + PCI_EXP_DEVCAP, 0x1 | PCI_EXP_DEVCAP_RBER | flr);
         // Device control: relaxed ordering, no snoop, 512-byte max read request.
-        self.set16(at + 0x08, 0x2810);
-        self.mask16(at + 0x08, 0x7fff);
-        // Link capabilities: max speed, max width, data-link-active reporting on ports.
-        let dllla_capable = if is_downstream { 1 << 20 } else { 0 };
-        self.set32(
-            at + 0x0c,
-            u32::from(link.speed.encoding()) | (u32::from(link.width) << 4) | dllla_capable | (u32::from(port) << 24),
+        self.set16(
+            at + PCI_EXP_DEVCTL,
+            PCI_EXP_DEVCTL_RELAX_EN | PCI_EXP_DEVCTL_NOSNOOP_EN | PCI_EXP_DEVCTL_READRQ_512B,
         );
-        self.mask16(at + 0x10, 0x0fff);
+        self.mask16(at + PCI_EXP_DEVCTL, 0x7fff);
+        // Link capabilities: max speed, max width, data-link-active reporting on ports.
+        let dllla_capable = if is_downstream { PCI_EXP_LNKCAP_DLLLARC } else { 0 };
+        self.set32(
+            at + PCI_EXP_LNKCAP,
+            (u32::from(link.speed.encoding()) & PCI_EXP_LNKCAP_SLS)
+                | (u32::from(link.width) << PCI_EXP_LNKCAP_MLW.trailing_zeros())
+                | dllla_capable
+                | (u32::from(port) << PCI_EXP_LNKCAP_PN.trailing_zeros()),
+        );
+        self.mask16(at + PCI_EXP_LNKCTL, 0x0fff);
         // Link status: the trained speed and width; link active when a port has a partner.
         let status = match trained {
             Some(t) => {
-                u16::from(t.speed.encoding()) | (u16::from(t.width) << 4) | if is_downstream { 1 << 13 } else { 0 }
+                let active = if is_downstream { PCI_EXP_LNKSTA_DLLLA } else { 0 };
+                (u16::from(t.speed.encoding()) & PCI_EXP_LNKSTA_CLS)
+                    | (u16::from(t.width) << PCI_EXP_LNKSTA_NLW.trailing_zeros())
+                    | active
             }
+            // Link down: 2.5 GT/s, no lanes.
             None => 0x0001,
         };
-        self.set16(at + 0x12, status);
-        if port_type == 0x4 {
-            self.mask16(at + 0x1c, 0x001f);
+        self.set16(at + PCI_EXP_LNKSTA, status);
+        if port_type == PCI_EXP_TYPE_ROOT_PORT {
+            // Root control: system error and PME interrupt enables, CRS visibility.
+            self.mask16(at + PCI_EXP_RTCTL, 0x001f);
         }
         // Link capabilities 2: every speed up to the maximum; Linux reads max_link_speed here.
         let speeds = (1u32 << (link.speed.encoding() + 1)) - 2;
-        self.set32(at + 0x2c, speeds);
-        self.set16(at + 0x30, u16::from(link.speed.encoding()));
-        self.mask16(at + 0x30, 0x003f);
-        debug_assert!(at + PCIE_CAP_LEN <= MSIX_CAP);
+        self.set32(at + PCI_EXP_LNKCAP2, speeds);
+        // Link control 2: the target link speed.
+        self.set16(at + PCI_EXP_LNKCTL2, u16::from(link.speed.encoding()));
+        self.mask16(at + PCI_EXP_LNKCTL2, 0x003f);
+        debug_assert!(at + PCI_CAP_EXP_ENDPOINT_SIZEOF_V2 <= MSIX_CAP);
     }
 
     /// MSI-X with its table at the start of BAR `bar` and the pending-bit array after it.
     fn msix_capability(&mut self, bar: &Bar, table_size: u16) {
         let at = MSIX_CAP;
-        self.set8(at, CAP_ID_MSIX);
-        self.set8(at + 1, 0);
-        self.set16(at + 2, table_size - 1);
-        self.mask16(at + 2, 0xc000);
-        self.set32(at + 4, u32::from(bar.index));
-        self.set32(at + 8, (u32::from(table_size) * 16) | u32::from(bar.index));
+        self.set8(at + PCI_CAP_LIST_ID, PCI_CAP_ID_MSIX);
+        self.set8(at + PCI_CAP_LIST_NEXT, 0);
+        self.set16(at + PCI_MSIX_FLAGS, table_size - 1);
+        self.mask16(at + PCI_MSIX_FLAGS, PCI_MSIX_FLAGS_ENABLE | PCI_MSIX_FLAGS_MASKALL);
+        // Table and PBA: offset in the BAR, BAR index in the low three bits.
+        self.set32(at + PCI_MSIX_TABLE, u32::from(bar.index));
+        self.set32(at + PCI_MSIX_PBA, (u32::from(table_size) * PCI_MSIX_ENTRY_SIZE) | u32::from(bar.index));
     }
 
-    /// One extended capability at 0x100: header, a 16-bit capability and control register.
-    fn ext_capability(&mut self, id: u16, capability: u16, control_mask: u16) {
+    /// ACS offering [`ACS_CAPABILITIES`], with `control` as the node sets it at boot.
+    fn acs_capability(&mut self, control: u16) {
+        self.ext_capability_header(PCI_EXT_CAP_ID_ACS);
+        self.set16(EXT_CAP + PCI_ACS_CAP, ACS_CAPABILITIES);
+        self.set16(EXT_CAP + PCI_ACS_CTRL, control & ACS_CAPABILITIES);
+        self.mask16(EXT_CAP + PCI_ACS_CTRL, ACS_CAPABILITIES);
+    }
+
+    /// ATS, disabled until the guest enables it.
+    fn ats_capability(&mut self) {
+        self.ext_capability_header(PCI_EXT_CAP_ID_ATS);
+        self.set16(EXT_CAP + PCI_ATS_CAP, ATS_CAPABILITIES);
+        self.mask16(EXT_CAP + PCI_ATS_CTRL, PCI_ATS_CTRL_ENABLE | PCI_ATS_CTRL_STU);
+    }
+
+    /// The header of the one extended capability: `id`, version 1, nothing after it.
+    fn ext_capability_header(&mut self, id: u16) {
         self.set32(EXT_CAP, u32::from(id) | (1 << 16));
-        self.set16(EXT_CAP + 4, capability);
-        self.mask16(EXT_CAP + 6, control_mask);
     }
 }

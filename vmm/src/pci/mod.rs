@@ -6,10 +6,11 @@
 //! Hypervisor's and crosvm's PCI buses are tied to their own device managers.
 
 mod config;
+mod regs;
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
-use gdrvm_devices::BusDevice;
+use gdrvm_devices::{lock, BusDevice};
 use gdrvm_model::node::Node;
 
 pub use config::{ConfigSpace, ACS_CAPABILITIES, CONFIG_SPACE_SIZE};
@@ -60,10 +61,6 @@ impl PciSegment {
             f.write(offset, data);
         }
     }
-}
-
-fn lock(segment: &Mutex<PciSegment>) -> MutexGuard<'_, PciSegment> {
-    segment.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// ECAM: bus in address bits 27:20, device 19:15, function 14:12, register 11:0.

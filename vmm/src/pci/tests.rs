@@ -1,6 +1,9 @@
-use super::*;
 use gdrvm_devices::ResetRegister;
+use gdrvm_model::layout::ECAM_SIZE;
 use gdrvm_model::node::{FunctionKind, Node};
+
+use super::regs::*;
+use super::*;
 
 fn minimal() -> Node {
     Node::preset("minimal").unwrap().unwrap()
@@ -11,8 +14,8 @@ fn segment() -> Arc<Mutex<PciSegment>> {
 }
 
 /// ECAM offset of bus/device/function/register.
-fn ecam(bus: u8, dev: u8, func: u8, reg: u64) -> u64 {
-    (u64::from(bus) << 20) | (u64::from(dev) << 15) | (u64::from(func) << 12) | reg
+fn ecam(bus: u8, dev: u8, func: u8, reg: usize) -> u64 {
+    (u64::from(bus) << 20) | (u64::from(dev) << 15) | (u64::from(func) << 12) | reg as u64
 }
 
 fn read32(e: &mut Ecam, off: u64) -> u32 {
@@ -99,28 +102,40 @@ fn test_bridge_buses_and_windows() {
 }
 
 /// (capability id, offset) pairs of the standard list, then of the extended list.
-type CapabilityLists = (Vec<(u8, u64)>, Vec<(u16, u64)>);
+type CapabilityLists = (Vec<(u8, usize)>, Vec<(u16, usize)>);
 
 /// Follows the capability list and the extended list.
 fn capabilities(e: &mut Ecam, bus: u8, dev: u8) -> CapabilityLists {
     let mut caps = Vec::new();
-    let mut at = u64::from(read32(e, ecam(bus, dev, 0, 0x34)) & 0xfc);
+    let mut at = (read32(e, ecam(bus, dev, 0, PCI_CAPABILITY_LIST)) & 0xfc) as usize;
     while at != 0 {
         let h = read32(e, ecam(bus, dev, 0, at));
         caps.push((h as u8, at));
-        at = u64::from((h >> 8) & 0xfc);
+        at = ((h >> 8) & 0xfc) as usize;
     }
     let mut ext = Vec::new();
-    let mut at = 0x100;
+    let mut at = PCI_CFG_SPACE_SIZE;
     while at != 0 {
         let h = read32(e, ecam(bus, dev, 0, at));
         if h == 0 {
             break;
         }
         ext.push((h as u16, at));
-        at = u64::from(h >> 20);
+        at = (h >> 20) as usize;
     }
     (caps, ext)
+}
+
+/// Where capability `id` of bus:dev.0 is, found as the guest finds it.
+fn find_capability(e: &mut Ecam, bus: u8, dev: u8, id: u8) -> usize {
+    let (caps, _) = capabilities(e, bus, dev);
+    caps.iter().find(|(c, _)| *c == id).map(|(_, at)| *at).expect("capability present")
+}
+
+/// Where extended capability `id` of bus:dev.0 is.
+fn find_ext_capability(e: &mut Ecam, bus: u8, dev: u8, id: u16) -> usize {
+    let (_, ext) = capabilities(e, bus, dev);
+    ext.iter().find(|(c, _)| *c == id).map(|(_, at)| *at).expect("extended capability present")
 }
 
 #[test]
@@ -130,24 +145,28 @@ fn test_capabilities_tell_port_type_link_acs_ats() {
     let (caps, ext) = capabilities(&mut e, 2, 0);
     assert_eq!(caps, [(0x10, 0x40)]);
     assert_eq!(ext, [(0x000d, 0x100)]);
-    assert_eq!(read16(&mut e, ecam(2, 0, 0, 0x42)) >> 4 & 0xf, 6);
-    assert_eq!(read16(&mut e, ecam(2, 0, 0, 0x104)), ACS_CAPABILITIES);
+    let (exp, acs) = (caps[0].1, ext[0].1);
+    assert_eq!(read16(&mut e, ecam(2, 0, 0, exp + PCI_EXP_FLAGS)) >> 4 & 0xf, 6);
+    assert_eq!(read16(&mut e, ecam(2, 0, 0, acs + PCI_ACS_CAP)), ACS_CAPABILITIES);
     // Link capabilities: 16 GT/s (4), x16; link status the same, link active.
-    let lnkcap = read32(&mut e, ecam(2, 0, 0, 0x4c));
+    let lnkcap = read32(&mut e, ecam(2, 0, 0, exp + PCI_EXP_LNKCAP));
     assert_eq!((lnkcap & 0xf, lnkcap >> 4 & 0x3f), (4, 16));
-    let lnksta = read16(&mut e, ecam(2, 0, 0, 0x52));
+    let lnksta = read16(&mut e, ecam(2, 0, 0, exp + PCI_EXP_LNKSTA));
     assert_eq!((lnksta & 0xf, lnksta >> 4 & 0x3f, lnksta >> 13 & 1), (4, 16, 1));
-    assert_eq!(read32(&mut e, ecam(2, 0, 0, 0x6c)), 0b11110, "link capabilities 2: 2.5 to 16 GT/s");
+    assert_eq!(read32(&mut e, ecam(2, 0, 0, exp + PCI_EXP_LNKCAP2)), 0b11110, "link capabilities 2: 2.5 to 16 GT/s");
     // Root port: type 4. Upstream port: type 5, no ACS.
-    assert_eq!(read16(&mut e, ecam(0, 1, 0, 0x42)) >> 4 & 0xf, 4);
-    assert_eq!(read16(&mut e, ecam(1, 0, 0, 0x42)) >> 4 & 0xf, 5);
+    let exp = find_capability(&mut e, 0, 1, PCI_CAP_ID_EXP);
+    assert_eq!(read16(&mut e, ecam(0, 1, 0, exp + PCI_EXP_FLAGS)) >> 4 & 0xf, 4);
+    let exp = find_capability(&mut e, 1, 0, PCI_CAP_ID_EXP);
+    assert_eq!(read16(&mut e, ecam(1, 0, 0, exp + PCI_EXP_FLAGS)) >> 4 & 0xf, 5);
     assert_eq!(capabilities(&mut e, 1, 0).1, []);
     // The GPU: endpoint, MSI-X in BAR0, ATS.
     let (caps, ext) = capabilities(&mut e, 3, 0);
     assert_eq!(caps, [(0x10, 0x40), (0x11, 0x80)]);
     assert_eq!(ext, [(0x000f, 0x100)]);
-    assert_eq!(read16(&mut e, ecam(3, 0, 0, 0x82)) & 0x7ff, 15, "16 vectors");
-    assert_eq!(read32(&mut e, ecam(3, 0, 0, 0x84)), 0, "table in BAR0 at 0");
+    let msix = caps[1].1;
+    assert_eq!(read16(&mut e, ecam(3, 0, 0, msix + PCI_MSIX_FLAGS)) & 0x7ff, 15, "16 vectors");
+    assert_eq!(read32(&mut e, ecam(3, 0, 0, msix + PCI_MSIX_TABLE)), 0, "table in BAR0 at 0");
     // The host bridge function has no capabilities.
     assert_eq!(capabilities(&mut e, 0, 0), (vec![], vec![]));
 }
@@ -186,7 +205,7 @@ fn test_guest_garbage_never_panics() {
     let mut x: u64 = 0x2545_f491_4f6c_dd1d;
     for _ in 0..200_000 {
         x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        let off = (x >> 8) % ECAM_SPAN;
+        let off = (x >> 8) % ECAM_SIZE;
         let len = [1, 2, 4, 8, 3, 16][(x >> 60) as usize % 6];
         let data = x.to_le_bytes().repeat(2);
         if x & 1 == 0 {
@@ -200,17 +219,17 @@ fn test_guest_garbage_never_panics() {
     assert_eq!(read32(&mut e, ecam(3, 0, 0, 0)), 0x20b2_10de);
 }
 
-const ECAM_SPAN: u64 = 256 << 20;
-
 #[test]
 fn test_acs_control_as_the_node_sets_it() {
     let vela = Node::preset("vela-a100").unwrap().unwrap();
     let mut e = Ecam(Arc::new(Mutex::new(PciSegment::new(&vela))));
     // sw0.down0 at 02:00.0: request and completion redirect, upstream forwarding.
-    assert_eq!(read16(&mut e, ecam(2, 0, 0, 0x106)), 0x001c);
+    let ctrl = find_ext_capability(&mut e, 2, 0, PCI_EXT_CAP_ID_ACS) + PCI_ACS_CTRL;
+    assert_eq!(read16(&mut e, ecam(2, 0, 0, ctrl)), 0x001c);
     // Writable within the offered controls, the rest stays 0.
-    e.write(ecam(2, 0, 0, 0x106), &0xffffu16.to_le_bytes());
-    assert_eq!(read16(&mut e, ecam(2, 0, 0, 0x106)), ACS_CAPABILITIES);
+    e.write(ecam(2, 0, 0, ctrl), &0xffffu16.to_le_bytes());
+    assert_eq!(read16(&mut e, ecam(2, 0, 0, ctrl)), ACS_CAPABILITIES);
     // rp0 at 00:01.0 has ACS with nothing enabled.
-    assert_eq!(read16(&mut e, ecam(0, 1, 0, 0x106)), 0);
+    let ctrl = find_ext_capability(&mut e, 0, 1, PCI_EXT_CAP_ID_ACS) + PCI_ACS_CTRL;
+    assert_eq!(read16(&mut e, ecam(0, 1, 0, ctrl)), 0);
 }

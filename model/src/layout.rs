@@ -1,5 +1,7 @@
-//! The guest-physical memory map: where RAM, boot structures, firmware tables and the
-//! MMIO hole sit, and the e820 map that tells the kernel so.
+//! The guest-physical memory map, the one definition both the VMM and the node model use:
+//! the boot structures in low memory, the BIOS area, RAM below the MMIO hole and again from
+//! 4 GiB, the hole itself (32-bit PCI window, ECAM, IOAPIC, LAPIC) and the 64-bit PCI
+//! window above RAM, and the e820 map that tells the kernel so.
 
 /// Start of the page holding the GDT used for the boot CPU's entry state.
 pub const BOOT_GDT_START: u64 = 0x500;
@@ -33,11 +35,16 @@ pub const ACPI_START: u64 = 0xe0000;
 pub const BIOS_END: u64 = 0x10_0000;
 /// Where the kernel may be loaded from (the ELF's physical addresses are at or above this).
 pub const HIMEM_START: u64 = 0x10_0000;
-/// Start of the 32-bit MMIO hole (PCI windows, ECAM, IOAPIC, LAPIC); RAM resumes at 4 GiB.
-pub const MMIO_HOLE_START: u64 = gdrvm_model::node::MMIO32_BASE;
-pub use gdrvm_model::node::{ECAM_BASE, ECAM_SIZE};
-/// First address above 4 GiB.
-pub const FOUR_GIB: u64 = 0x1_0000_0000;
+/// Start of the 32-bit MMIO hole (PCI window, ECAM, IOAPIC, LAPIC); RAM resumes at 4 GiB.
+pub const MMIO_HOLE_START: u64 = 0xc000_0000;
+/// Start of the 32-bit PCI MMIO window: the bottom of the MMIO hole.
+pub const MMIO32_BASE: u64 = MMIO_HOLE_START;
+/// ECAM (PCIe enhanced configuration space): 1 MiB for each of the 256 buses of segment 0.
+pub const ECAM_BASE: u64 = 0xe000_0000;
+/// ECAM size.
+pub const ECAM_SIZE: u64 = 256 << 20;
+/// End (exclusive) of the 32-bit PCI MMIO window: ECAM follows it.
+pub const MMIO32_END: u64 = ECAM_BASE;
 /// IOAPIC MMIO base.
 pub const IOAPIC_START: u64 = 0xfec0_0000;
 /// Local APIC MMIO base.
@@ -46,6 +53,13 @@ pub const LAPIC_START: u64 = 0xfee0_0000;
 pub const KVM_TSS_ADDRESS: u64 = 0xfffb_d000;
 /// KVM's identity-map page (Intel real-mode emulation), the page before the TSS.
 pub const KVM_IDENTITY_MAP_ADDRESS: u64 = 0xfffb_c000;
+/// First address above 4 GiB, where RAM that does not fit below the MMIO hole resumes.
+pub const FOUR_GIB: u64 = 0x1_0000_0000;
+/// End (exclusive) of the 64-bit PCI MMIO window: 46 physical address bits, what server
+/// CPUs have at least. The VMM checks the highest address against the vCPU's address bits.
+pub const MMIO64_END: u64 = 1 << 46;
+/// The 64-bit PCI window starts on a GiB boundary.
+const MMIO64_ALIGN: u64 = 1 << 30;
 
 /// The kind of an e820 range.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,13 +81,26 @@ pub struct E820Entry {
     pub kind: E820Kind,
 }
 
-/// The guest RAM ranges for `memory` bytes: below the MMIO hole, then above 4 GiB.
+/// The guest RAM ranges `(start, length)` for `memory` bytes: below the MMIO hole, then
+/// above 4 GiB.
 pub fn ram_ranges(memory: u64) -> Vec<(u64, u64)> {
     if memory <= MMIO_HOLE_START {
         vec![(0, memory)]
     } else {
         vec![(0, MMIO_HOLE_START), (FOUR_GIB, memory - MMIO_HOLE_START)]
     }
+}
+
+/// Highest address + 1 of RAM below 4 GiB.
+pub fn low_ram_end(memory: u64) -> u64 {
+    memory.min(MMIO_HOLE_START)
+}
+
+/// First address of the 64-bit PCI window for a guest with `memory` bytes of RAM: the
+/// first GiB boundary above both RAM and 4 GiB.
+pub fn mmio64_base(memory: u64) -> u64 {
+    let ram_end = ram_ranges(memory).last().map_or(0, |&(start, len)| start + len);
+    ram_end.max(FOUR_GIB).next_multiple_of(MMIO64_ALIGN)
 }
 
 /// The e820 map for `memory` bytes of RAM.
@@ -118,11 +145,6 @@ pub fn numa_ranges(node_memory: &[u64]) -> Vec<(u32, u64, u64)> {
     out
 }
 
-/// Highest address + 1 of RAM below 4 GiB.
-pub fn low_ram_end(memory: u64) -> u64 {
-    memory.min(MMIO_HOLE_START)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -165,5 +187,14 @@ mod tests {
         assert_eq!((map[3].addr, map[3].kind), (ECAM_BASE, E820Kind::Reserved));
         assert_eq!(ram_ranges(8 * GIB), vec![(0, MMIO_HOLE_START), (FOUR_GIB, 5 * GIB)]);
         assert!(map.windows(2).all(|w| w[0].addr + w[0].size <= w[1].addr));
+    }
+
+    #[test]
+    fn test_mmio64_window_starts_above_ram_and_4gib() {
+        assert_eq!(mmio64_base(GIB), FOUR_GIB);
+        assert_eq!(mmio64_base(MMIO_HOLE_START), FOUR_GIB);
+        // 3 GiB + 64 MiB: 64 MiB above 4 GiB, so the window starts at 5 GiB.
+        assert_eq!(mmio64_base(MMIO_HOLE_START + 64 * MIB), 5 * GIB);
+        assert_eq!(mmio64_base(8 * GIB), 9 * GIB);
     }
 }

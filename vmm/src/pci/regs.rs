@@ -1,0 +1,107 @@
+//! Configuration-space register offsets and bits, named as Linux names them in
+//! `include/uapi/linux/pci_regs.h` (PCI Local Bus 3.0, PCI Express Base 4.0 chapter 7).
+//! Capability registers are offsets from the start of their capability; a field's
+//! position is its mask's lowest set bit.
+
+// Common header.
+pub const PCI_VENDOR_ID: usize = 0x00;
+pub const PCI_DEVICE_ID: usize = 0x02;
+pub const PCI_COMMAND: usize = 0x04;
+pub const PCI_STATUS: usize = 0x06;
+pub const PCI_REVISION_ID: usize = 0x08;
+pub const PCI_CLASS_PROG: usize = 0x09;
+pub const PCI_CLASS_DEVICE: usize = 0x0a;
+pub const PCI_CACHE_LINE_SIZE: usize = 0x0c;
+pub const PCI_HEADER_TYPE: usize = 0x0e;
+pub const PCI_CAPABILITY_LIST: usize = 0x34;
+pub const PCI_INTERRUPT_LINE: usize = 0x3c;
+
+pub const PCI_COMMAND_MEMORY: u16 = 0x0002;
+pub const PCI_COMMAND_MASTER: u16 = 0x0004;
+pub const PCI_COMMAND_PARITY: u16 = 0x0040;
+pub const PCI_COMMAND_SERR: u16 = 0x0100;
+pub const PCI_COMMAND_INTX_DISABLE: u16 = 0x0400;
+pub const PCI_STATUS_CAP_LIST: u16 = 0x0010;
+pub const PCI_HEADER_TYPE_BRIDGE: u8 = 0x01;
+
+// Type 0 (endpoint) header.
+pub const PCI_BASE_ADDRESS_0: usize = 0x10;
+pub const PCI_SUBSYSTEM_VENDOR_ID: usize = 0x2c;
+pub const PCI_SUBSYSTEM_ID: usize = 0x2e;
+
+pub const PCI_BASE_ADDRESS_MEM_TYPE_64: u32 = 0x04;
+pub const PCI_BASE_ADDRESS_MEM_PREFETCH: u32 = 0x08;
+pub const PCI_BASE_ADDRESS_MEM_MASK: u32 = !0x0f;
+
+// Type 1 (bridge) header.
+pub const PCI_PRIMARY_BUS: usize = 0x18;
+pub const PCI_SECONDARY_BUS: usize = 0x19;
+pub const PCI_SUBORDINATE_BUS: usize = 0x1a;
+pub const PCI_MEMORY_BASE: usize = 0x20;
+pub const PCI_MEMORY_LIMIT: usize = 0x22;
+pub const PCI_PREF_MEMORY_BASE: usize = 0x24;
+pub const PCI_PREF_MEMORY_LIMIT: usize = 0x26;
+pub const PCI_PREF_BASE_UPPER32: usize = 0x28;
+pub const PCI_PREF_LIMIT_UPPER32: usize = 0x2c;
+pub const PCI_BRIDGE_CONTROL: usize = 0x3e;
+
+pub const PCI_PREF_RANGE_TYPE_64: u16 = 0x01;
+
+// Capability list.
+pub const PCI_CAP_LIST_ID: usize = 0x00;
+pub const PCI_CAP_LIST_NEXT: usize = 0x01;
+pub const PCI_CAP_ID_EXP: u8 = 0x10;
+pub const PCI_CAP_ID_MSIX: u8 = 0x11;
+
+// PCI Express capability.
+pub const PCI_EXP_FLAGS: usize = 0x02;
+pub const PCI_EXP_DEVCAP: usize = 0x04;
+pub const PCI_EXP_DEVCTL: usize = 0x08;
+pub const PCI_EXP_LNKCAP: usize = 0x0c;
+pub const PCI_EXP_LNKCTL: usize = 0x10;
+pub const PCI_EXP_LNKSTA: usize = 0x12;
+pub const PCI_EXP_RTCTL: usize = 0x1c;
+pub const PCI_EXP_LNKCAP2: usize = 0x2c;
+pub const PCI_EXP_LNKCTL2: usize = 0x30;
+/// Length of a version 2 PCI Express capability.
+pub const PCI_CAP_EXP_ENDPOINT_SIZEOF_V2: usize = 0x3c;
+
+pub const PCI_EXP_FLAGS_VERS: u16 = 0x000f;
+pub const PCI_EXP_FLAGS_TYPE: u16 = 0x00f0;
+pub const PCI_EXP_TYPE_ENDPOINT: u8 = 0x0;
+pub const PCI_EXP_TYPE_ROOT_PORT: u8 = 0x4;
+pub const PCI_EXP_TYPE_DOWNSTREAM: u8 = 0x6;
+pub const PCI_EXP_DEVCAP_RBER: u32 = 0x0000_8000;
+pub const PCI_EXP_DEVCAP_FLR: u32 = 0x1000_0000;
+pub const PCI_EXP_DEVCTL_RELAX_EN: u16 = 0x0010;
+pub const PCI_EXP_DEVCTL_NOSNOOP_EN: u16 = 0x0800;
+pub const PCI_EXP_DEVCTL_READRQ_512B: u16 = 0x2000;
+pub const PCI_EXP_LNKCAP_SLS: u32 = 0x0000_000f;
+pub const PCI_EXP_LNKCAP_MLW: u32 = 0x0000_03f0;
+pub const PCI_EXP_LNKCAP_DLLLARC: u32 = 0x0010_0000;
+pub const PCI_EXP_LNKCAP_PN: u32 = 0xff00_0000;
+pub const PCI_EXP_LNKSTA_CLS: u16 = 0x000f;
+pub const PCI_EXP_LNKSTA_NLW: u16 = 0x03f0;
+pub const PCI_EXP_LNKSTA_DLLLA: u16 = 0x2000;
+
+// MSI-X capability.
+pub const PCI_MSIX_FLAGS: usize = 0x02;
+pub const PCI_MSIX_TABLE: usize = 0x04;
+pub const PCI_MSIX_PBA: usize = 0x08;
+pub const PCI_MSIX_FLAGS_MASKALL: u16 = 0x4000;
+pub const PCI_MSIX_FLAGS_ENABLE: u16 = 0x8000;
+pub const PCI_MSIX_ENTRY_SIZE: u32 = 16;
+
+// Extended capabilities: they start after the 256 bytes of conventional config space.
+pub const PCI_CFG_SPACE_SIZE: usize = 0x100;
+pub const PCI_EXT_CAP_ID_ACS: u16 = 0x000d;
+pub const PCI_EXT_CAP_ID_ATS: u16 = 0x000f;
+pub const PCI_ACS_CAP: usize = 0x04;
+pub const PCI_ACS_CTRL: usize = 0x06;
+pub const PCI_ATS_CAP: usize = 0x04;
+pub const PCI_ATS_CTRL: usize = 0x06;
+
+pub const PCI_ATS_CAP_PAGE_ALIGNED: u16 = 0x0020;
+pub const PCI_ATS_CTRL_ENABLE: u16 = 0x8000;
+/// Smallest Translation Unit (Linux writes the field with `PCI_ATS_CTRL_STU(x)`).
+pub const PCI_ATS_CTRL_STU: u16 = 0x001f;
