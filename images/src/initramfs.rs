@@ -79,10 +79,14 @@ impl Initramfs {
         self.push(path, Content::CharDev { major, minor });
     }
 
-    /// Writes the archive to `out`.
+    /// Writes the archive to the file `out`.
     pub fn write_to(&self, out: &Path) -> std::io::Result<()> {
-        let file = std::fs::File::create(out)?;
-        let mut w = BufWriter::new(file);
+        self.write(std::fs::File::create(out)?)
+    }
+
+    /// Writes the archive to `out`.
+    pub fn write(&self, out: impl Write) -> std::io::Result<()> {
+        let mut w = BufWriter::new(out);
         for (ino, (path, content)) in (1u32..).zip(&self.entries) {
             let b = cpio::newc::Builder::new(path).ino(ino).uid(0).gid(0);
             let (b, data) = match content {

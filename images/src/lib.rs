@@ -10,6 +10,7 @@ mod debian;
 mod initramfs;
 mod kernel;
 mod recipe;
+mod repin;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -17,10 +18,11 @@ use std::path::{Path, PathBuf};
 use gdrvm_model::{ImageManifest, IMAGE_MANIFEST_PATH};
 use sha2::{Digest, Sha256};
 
-pub use debian::sha256_file;
+pub use debian::{sha256_file, Archive, REPIN_COMMAND};
 pub use initramfs::{Initramfs, Source};
 pub use kernel::{extract_vmlinux, ModuleIndex, ResolvedModule};
 pub use recipe::{KernelPackage, Modules, Package, Recipe};
+pub use repin::{repin, Repinned};
 
 /// Bumped when the layout of built images changes, so old cache entries are rebuilt.
 const IMAGE_FORMAT: &str = "gdrvm-image-v1";
@@ -37,14 +39,29 @@ pub enum ImageError {
         reason: String,
     },
     /// A package could not be downloaded.
-    #[error(
-        "cannot download Debian package {package}: {reason} (offline, or the version left the archive: pin a current one in the recipe)"
-    )]
+    #[error("cannot download Debian package {package}: {reason} (offline?)")]
     Download {
         /// `name=version`.
         package: String,
         /// apt-get's error lines.
         reason: String,
+    },
+    /// apt's lists lack a pinned version and this process may not refresh them.
+    #[error("apt's package lists do not have Debian package {package}: they may be older than the pin; run `sudo apt-get update` and try again")]
+    StaleLists {
+        /// `name=version`.
+        package: String,
+    },
+    /// Even freshly refreshed lists lack a pinned version: it left the archive.
+    #[error(
+        "Debian's archive no longer serves {package} (it has {}): run `{REPIN_COMMAND}` to pin current versions",
+        if available.is_empty() { "no version of it".to_owned() } else { available.join(", ") }
+    )]
+    LeftArchive {
+        /// `name=version`.
+        package: String,
+        /// The versions the archive serves now, newest first.
+        available: Vec<String>,
     },
     /// A downloaded package does not match its pinned hash.
     #[error("Debian package {package} has sha256 {actual}, the recipe pins {expected}")]
@@ -118,16 +135,23 @@ pub struct BuiltImage {
     pub rebuilt: bool,
 }
 
-/// The image cache's directory layout.
-#[derive(Debug, Clone)]
+/// The image cache's directory layout, and the archive that fills it.
+#[derive(Debug)]
 pub struct Cache {
     root: PathBuf,
+    archive: Archive,
 }
 
 impl Cache {
-    /// A cache rooted at `root` (`target/gdrvm/cache` by convention).
+    /// A cache rooted at `root` (`target/gdrvm/cache` by convention), filled through the
+    /// host's apt.
     pub fn new(root: impl Into<PathBuf>) -> Self {
-        Cache { root: root.into() }
+        Cache { root: root.into(), archive: Archive::system() }
+    }
+
+    /// The same cache filled through `archive` (private apt state, in tests).
+    pub fn with_archive(self, archive: Archive) -> Self {
+        Cache { archive, ..self }
     }
 
     fn dir(&self, sub: &str) -> Result<PathBuf, ImageError> {
@@ -169,7 +193,7 @@ fn cache_key(recipe: &Recipe, extras: &[ExtraFile]) -> Result<String, ImageError
 
 /// Returns the verified .deb of a pinned package, downloading it into the cache if needed.
 pub fn fetch(pin: &Package, cache: &Cache, progress: &Progress) -> Result<PathBuf, ImageError> {
-    debian::fetch(pin, &cache.dir("debs")?, progress)
+    debian::fetch(pin, &cache.dir("debs")?, &cache.archive, progress)
 }
 
 /// Builds (or finds current in the cache) the image `recipe` describes, with `extras`.
