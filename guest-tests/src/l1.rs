@@ -35,7 +35,13 @@ pub fn run() -> u8 {
         let started = Instant::now();
         let result = if jobs.interactive { run_attached(job) } else { run_relayed(i, job) };
         match result {
-            Ok(Some(code)) => println!("{MARKER}job {i} exit {code} {}", started.elapsed().as_millis()),
+            Ok(Some(code)) => {
+                let line = format!("{MARKER}job {i} exit {code} {}", started.elapsed().as_millis());
+                if jobs.interactive {
+                    report_status(&line);
+                }
+                println!("{line}");
+            }
             Ok(None) => println!("{MARKER}job {i} timeout"),
             Err(e) => {
                 println!("{MARKER}error job {i}: cannot start {}: {e}", job.program);
@@ -45,6 +51,22 @@ pub fn run() -> u8 {
     }
     println!("{MARKER}done");
     0
+}
+
+/// The serial port on which an interactive run reports its job's status: the console
+/// belongs to the person at it, so the host reads the status from L1's second port.
+const STATUS_PORT: &str = "/dev/ttyS1";
+
+/// Writes `line` to [`STATUS_PORT`]; a missing port only loses the status (the host then
+/// reports 125).
+fn report_status(line: &str) {
+    use std::io::Write;
+    match std::fs::OpenOptions::new().write(true).open(STATUS_PORT) {
+        Ok(mut port) => {
+            let _ = writeln!(port, "{line}");
+        }
+        Err(e) => println!("{MARKER}error cannot report the job's status on {STATUS_PORT}: {e}"),
+    }
 }
 
 fn command(job: &L1Job) -> Command {

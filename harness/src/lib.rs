@@ -7,11 +7,17 @@ mod artifacts;
 pub mod junit;
 pub mod ktap;
 mod l1;
+mod nested;
+pub mod oops;
 mod probe;
+mod process;
+mod result;
 mod runner;
+mod spec;
 
 pub use artifacts::{gdrvm_dir, Artifacts, ArtifactsError, BootImage};
+pub use nested::{L1Config, TcgThreads};
 pub use probe::{choose, RunnerChoice};
-pub use runner::{
-    exit, GdrvmStats, HarnessError, QemuMachine, Runner, RunnerKind, VmOutcome, VmResult, VmSpec, Vmm, TAIL_LINES,
-};
+pub use result::{exit, GdrvmStats, L1Failure, L1Incident, VmOutcome, VmResult, TAIL_LINES};
+pub use runner::{HarnessError, Runner, RunnerKind};
+pub use spec::{QemuMachine, VmSpec, Vmm};

@@ -7,7 +7,9 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::artifacts::{gdrvm_dir, Artifacts};
-use crate::runner::{Runner, RunnerKind, VmOutcome, VmSpec};
+use crate::result::VmOutcome;
+use crate::runner::{Runner, RunnerKind};
+use crate::spec::{VmSpec, Vmm};
 
 /// What the user asked for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,10 +70,10 @@ fn kind_of(native_ok: bool) -> RunnerKind {
 }
 
 async fn probe(artifacts: &Artifacts) -> (bool, String) {
-    let runner = Runner { kind: RunnerKind::Native, artifacts: artifacts.clone(), echo: false };
+    let runner = Runner::new(RunnerKind::Native, artifacts.clone());
     let spec = VmSpec {
         name: "kvm-probe".into(),
-        vmm: crate::runner::Vmm::Gdrvm,
+        vmm: Vmm::Gdrvm,
         image: artifacts.guest.clone(),
         node: None,
         cmdline: "console=ttyS0 quiet panic=-1 gdrvm.suites=".into(),

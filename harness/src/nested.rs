@@ -1,0 +1,493 @@
+//! Nested runs: gdrvm inside an L1 Linux that QEMU TCG boots (`-cpu max`, kvm_amd), on
+//! L1's `/dev/kvm`, for hosts whose KVM cannot boot a stock kernel. One L1 boot runs a
+//! whole batch of jobs; when L1 dies (panics, stalls, exits, never gets ready) the job it
+//! died on runs again once in a fresh L1, and the batch goes on from there. Every L1
+//! failure is kept with its oops signature and console on the job it hit.
+//!
+//! L1's initramfs exists only as an open, unlinked file that QEMU inherits: nothing is left
+//! on disk whatever happens to the harness.
+
+use std::collections::BTreeMap;
+use std::io::{Read, Seek, Write};
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use gdrvm_images::{Initramfs, Source};
+use gdrvm_model::l1::{L1Job, L1Jobs, GDRVM_PATH, JOBS_PATH};
+use tokio::process::Command;
+
+use crate::l1::{classify, L1Line};
+use crate::oops;
+use crate::process::{forward_lines, spawn, stop};
+use crate::result::{exit, L1Failure, L1Incident, VmOutcome, VmResult, TAIL_LINES};
+use crate::runner::{HarnessError, Runner};
+use crate::spec::{VmSpec, Vmm, QEMU_FIRMWARE, QEMU_PATH};
+
+/// Time L1 may take to boot and load KVM (measured: 6–8 s; TCG on a loaded host is slower).
+const L1_BOOT_BUDGET: Duration = Duration::from_secs(120);
+/// How long past a job's own timeout the host waits for L1's agent to report it.
+const L1_STALL_MARGIN: Duration = Duration::from_secs(30);
+
+/// How QEMU's TCG runs L1's vCPUs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum TcgThreads {
+    /// One host thread per vCPU (MTTCG).
+    Multi,
+    /// All vCPUs on one host thread, round robin.
+    Single,
+}
+
+/// How L1 is made: the knobs a soak compares. The default is the configuration the
+/// harness uses everywhere.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct L1Config {
+    /// TCG threading.
+    pub tcg_threads: TcgThreads,
+    /// QEMU `-cpu` model for L1 (it must offer SVM with NPT, or VMX with EPT).
+    pub cpu: String,
+    /// L1's vCPUs.
+    pub smp: u32,
+    /// Extra words for L1's kernel command line.
+    pub append: String,
+}
+
+impl Default for L1Config {
+    fn default() -> Self {
+        L1Config {
+            tcg_threads: TcgThreads::Multi,
+            // 46 physical address bits, as server CPUs have: TCG's default 40 cannot place
+            // the 64-bit windows of 128 GiB GPU BARs above RAM.
+            cpu: "max,phys-bits=46".into(),
+            smp: 2,
+            append: String::new(),
+        }
+    }
+}
+
+impl L1Config {
+    /// L1's kernel command line. `GDRVM_LOG` from the host reaches gdrvm in L1 as init's
+    /// environment (the kernel passes `KEY=value` words without a dot to init).
+    fn cmdline(&self, gdrvm_log: Option<&str>) -> String {
+        let mut cmdline = "console=ttyS0 quiet panic=-1 gdrvm.l1".to_owned();
+        if let Some(filter) = gdrvm_log.filter(|f| !f.is_empty() && !f.contains(char::is_whitespace)) {
+            cmdline.push_str(&format!(" GDRVM_LOG={filter}"));
+        }
+        if !self.append.trim().is_empty() {
+            cmdline.push(' ');
+            cmdline.push_str(self.append.trim());
+        }
+        cmdline
+    }
+
+    /// QEMU's arguments for L1, less the console.
+    fn qemu_args(&self, kernel: &Path, initrd: &str, memory_mib: u64) -> Vec<String> {
+        let threads = match self.tcg_threads {
+            TcgThreads::Multi => "multi",
+            TcgThreads::Single => "single",
+        };
+        [
+            "-accel".into(),
+            format!("tcg,thread={threads}"),
+            "-cpu".into(),
+            self.cpu.clone(),
+            "-smp".into(),
+            self.smp.to_string(),
+            "-m".into(),
+            format!("{memory_mib}M"),
+        ]
+        .into_iter()
+        .chain(["-nodefaults", "-display", "none", "-vga", "none", "-no-reboot"].map(String::from))
+        .chain(["-kernel".into(), kernel.display().to_string(), "-initrd".into(), initrd.into()])
+        .chain(["-append".into(), self.cmdline(std::env::var("GDRVM_LOG").ok().as_deref())])
+        .collect()
+    }
+}
+
+/// One L1 boot's results, and how it died if it did not finish.
+struct L1Batch {
+    /// One per job; `None` for jobs L1 never finished.
+    results: Vec<Option<VmResult>>,
+    /// How L1 died, and the first job it did not finish.
+    death: Option<(usize, L1Incident)>,
+    /// L1 got as far as running jobs.
+    ready: bool,
+    /// L1's agent could not run jobs at all (no KVM, bad job list): no use restarting.
+    agent_error: Option<String>,
+}
+
+/// An L1 initramfs: an unlinked temporary file, passed to QEMU as an inherited fd.
+struct L1Initrd {
+    file: std::fs::File,
+    memory_mib: u64,
+}
+
+impl L1Initrd {
+    /// The path QEMU opens it by (its own fd, inherited at the same number).
+    fn path(&self) -> String {
+        use std::os::fd::AsRawFd;
+        format!("/proc/self/fd/{}", self.file.as_raw_fd())
+    }
+}
+
+impl Runner {
+    /// Runs one VM in L1 with this terminal on its console; returns gdrvm's own status,
+    /// which L1's agent reports on L1's second serial port.
+    pub(crate) async fn run_interactive_nested(&self, spec: &VmSpec) -> Result<i32, HarnessError> {
+        let initrd = self.l1_initrd(std::slice::from_ref(spec), true)?;
+        let mut status = tempfile::tempfile().map_err(|e| HarnessError::Prepare(format!("a status file: {e}")))?;
+        let status_path = {
+            use std::os::fd::AsRawFd;
+            format!("/proc/self/fd/{}", status.as_raw_fd())
+        };
+        let mut cmd = Command::new(QEMU_PATH);
+        cmd.args(self.l1.qemu_args(&self.artifacts.l1.kernel, &initrd.path(), initrd.memory_mib));
+        // Ctrl-C goes to the guest; Ctrl-A x (handled by gdrvm in L1) leaves.
+        cmd.args(["-chardev", "stdio,id=con,signal=off", "-serial", "chardev:con"]);
+        cmd.args(["-serial", &format!("file:{status_path}")]);
+        let qemu = spawn(&mut cmd, Path::new(QEMU_PATH), &[initrd.file.as_fd(), status.as_fd()])?.wait().await;
+        qemu.map_err(|e| HarnessError::Spawn { program: QEMU_PATH.into(), reason: e.to_string() })?;
+        let mut text = String::new();
+        let _ = status.rewind().and_then(|()| status.read_to_string(&mut text));
+        Ok(text
+            .lines()
+            .find_map(|l| match classify(l) {
+                L1Line::JobExit { code, .. } => Some(code),
+                _ => None,
+            })
+            .unwrap_or(exit::CANNOT_TEST))
+    }
+
+    /// Runs `specs` in L1, restarting L1 when it dies (each job runs again at most once),
+    /// then runs again, once, guests that reset before printing anything.
+    pub(crate) async fn run_nested(&self, specs: &[VmSpec]) -> Result<Vec<VmResult>, HarnessError> {
+        let mut results = self.run_nested_restarting(specs).await?;
+        let silent: Vec<usize> = (0..results.len()).filter(|&i| results[i].silent_reset()).collect();
+        if silent.is_empty() {
+            return Ok(results);
+        }
+        let again: Vec<VmSpec> = silent.iter().map(|&i| specs[i].clone()).collect();
+        tracing::warn!(jobs = ?again.iter().map(|s| &s.name).collect::<Vec<_>>(), "guests reset before printing anything; running them again in a fresh L1");
+        let rerun = self.run_nested_restarting(&again).await?;
+        for (&i, mut r) in silent.iter().zip(rerun) {
+            let first = results[i].tail().join("\n");
+            r.console.insert(
+                0,
+                format!(
+                    "L1: the guest reset before printing anything (a triple fault in early boot, seen only \
+                     nested under TCG); it ran again in a fresh L1. First run's last lines:\n{first}"
+                ),
+            );
+            r.silent_resets = results[i].silent_resets + 1;
+            results[i] = r;
+        }
+        Ok(results)
+    }
+
+    async fn run_nested_restarting(&self, specs: &[VmSpec]) -> Result<Vec<VmResult>, HarnessError> {
+        let mut results: Vec<Option<VmResult>> = vec![None; specs.len()];
+        let mut incidents: Vec<Vec<L1Incident>> = vec![Vec::new(); specs.len()];
+        let mut start = 0;
+        let mut boots_not_ready = 0;
+        while start < specs.len() {
+            let batch = self.run_l1(&specs[start..]).await?;
+            for (i, r) in batch.results.into_iter().enumerate() {
+                if r.is_some() {
+                    results[start + i] = r;
+                }
+            }
+            if let Some(why) = batch.agent_error {
+                fail_rest(&mut results, specs, start, &format!("L1 cannot run jobs: {why}"));
+                break;
+            }
+            let Some((first_unfinished, incident)) = batch.death else { break };
+            let k = start + first_unfinished;
+            let summary = incident.summary();
+            let console = incident.console.join("\n");
+            boots_not_ready = if batch.ready { 0 } else { boots_not_ready + 1 };
+            let reran = !incidents[k].is_empty();
+            incidents[k].push(incident);
+            if boots_not_ready >= 2 {
+                fail_rest(
+                    &mut results,
+                    specs,
+                    k,
+                    &format!("L1 did not get ready twice in a row: {summary}; L1 console:\n{console}"),
+                );
+                break;
+            }
+            if reran {
+                tracing::error!(job = %specs[k].name, "{summary}, again: giving this job up");
+                results[k] = Some(VmResult::new(
+                    &specs[k].name,
+                    VmOutcome::CannotRun(format!("{summary} (the second time for this job); L1 console:\n{console}")),
+                    Vec::new(),
+                    Duration::ZERO,
+                ));
+                start = k + 1;
+            } else {
+                tracing::warn!(job = %specs[k].name, "{summary}; running the rest of the batch in a fresh L1");
+                start = k;
+            }
+        }
+        Ok(results
+            .into_iter()
+            .zip(incidents)
+            .zip(specs)
+            .map(|((r, incidents), spec)| {
+                let mut r = r.unwrap_or_else(|| {
+                    VmResult::new(
+                        &spec.name,
+                        VmOutcome::CannotRun("L1 never ran it".into()),
+                        Vec::new(),
+                        Duration::ZERO,
+                    )
+                });
+                if let Some(first) = incidents.first() {
+                    r.console.insert(
+                        0,
+                        format!(
+                            "L1: {}; the job ran again in a fresh L1. L1's console:\n{}",
+                            first.summary(),
+                            first.console.join("\n")
+                        ),
+                    );
+                }
+                r.l1_incidents = incidents;
+                r
+            })
+            .collect())
+    }
+
+    /// Writes L1's initramfs for this run into an unlinked file: the L1 image, then an
+    /// archive with gdrvm, the guests' files, QEMU when a spec uses it, and the job list.
+    fn l1_initrd(&self, specs: &[VmSpec], interactive: bool) -> Result<L1Initrd, HarnessError> {
+        let prep = |e: std::io::Error| HarnessError::Prepare(e.to_string());
+        let mut files: BTreeMap<PathBuf, String> = BTreeMap::new();
+        let mut guest_path = |host: &Path| -> String {
+            let n = files.len();
+            files.entry(host.to_owned()).or_insert_with(|| format!("/l1/files/{n}")).clone()
+        };
+        let jobs = L1Jobs {
+            interactive,
+            jobs: specs
+                .iter()
+                .map(|s| {
+                    let (k, i) = (guest_path(&s.image.kernel), guest_path(&s.image.initrd));
+                    // A node file travels into L1; a preset name is known to gdrvm there.
+                    let node =
+                        s.node
+                            .as_ref()
+                            .map(|n| if Path::new(n).is_file() { guest_path(Path::new(n)) } else { n.clone() });
+                    let files = (Path::new(&k), Path::new(&i), node.as_deref());
+                    let (program, args) = s.command_line(Path::new(GDRVM_PATH), files, interactive);
+                    L1Job { program: program.display().to_string(), args, timeout_secs: s.timeout.as_secs().max(1) }
+                })
+                .collect(),
+        };
+        let mut run = Initramfs::new();
+        let jobs_json = serde_json::to_vec(&jobs).map_err(|e| HarnessError::Prepare(e.to_string()))?;
+        run.file(JOBS_PATH, Source::Bytes(jobs_json), 0o644);
+        run.file(GDRVM_PATH, Source::Host(self.artifacts.gdrvm.clone()), 0o755);
+        for (host, guest) in &files {
+            run.file(guest, Source::Host(host.clone()), 0o644);
+        }
+        if specs.iter().any(|s| matches!(s.vmm, Vmm::Qemu(_))) {
+            for (path, mode) in qemu_files()? {
+                run.file(&path, Source::Host(PathBuf::from(&path)), mode);
+            }
+        }
+        let mut data = std::fs::read(&self.artifacts.l1.initrd)
+            .map_err(|e| HarnessError::Prepare(format!("{}: {e}", self.artifacts.l1.initrd.display())))?;
+        data.resize(data.len().next_multiple_of(4), 0);
+        let mut file = tempfile::tempfile().map_err(prep)?;
+        file.write_all(&data).map_err(prep)?;
+        run.write(&mut file).map_err(prep)?;
+        let size = file.stream_position().map_err(prep)?;
+        // L1 keeps the unpacked initramfs in RAM next to the largest guest.
+        let guest = specs.iter().map(VmSpec::memory_mib).max().unwrap_or(1024);
+        let memory_mib = (guest + 1024 + 2 * (size >> 20)).max(2048);
+        Ok(L1Initrd { file, memory_mib })
+    }
+
+    /// One L1 boot running `specs` in order, until they are done or L1 dies.
+    async fn run_l1(&self, specs: &[VmSpec]) -> Result<L1Batch, HarnessError> {
+        let initrd = self.l1_initrd(specs, false)?;
+        let mut cmd = Command::new(QEMU_PATH);
+        cmd.args(self.l1.qemu_args(&self.artifacts.l1.kernel, &initrd.path(), initrd.memory_mib));
+        cmd.args(["-serial", "stdio"]).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        let mut qemu = spawn(&mut cmd, Path::new(QEMU_PATH), &[initrd.file.as_fd()])?;
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+        forward_lines(qemu.stdout.take(), tx.clone());
+        forward_lines(qemu.stderr.take(), tx);
+
+        let boot_deadline = tokio::time::sleep(L1_BOOT_BUDGET);
+        tokio::pin!(boot_deadline);
+        let mut tick = tokio::time::interval(Duration::from_secs(5));
+        let mut consoles: Vec<Vec<String>> = vec![Vec::new(); specs.len()];
+        let mut outcomes: Vec<Option<(VmOutcome, Duration)>> = vec![None; specs.len()];
+        let mut time_to_ktap: Vec<Option<Duration>> = vec![None; specs.len()];
+        // L1's own lines, and where each job's stretch of them starts.
+        let mut l1_lines: Vec<String> = Vec::new();
+        let mut l1_from: Vec<usize> = vec![0; specs.len()];
+        let mut agent_error: Option<String> = None;
+        let mut failure: Option<L1Failure> = None;
+        let mut current: Option<(usize, Instant)> = None;
+        let mut ready = false;
+        let mut done = false;
+        let started = Instant::now();
+        loop {
+            tokio::select! {
+                line = rx.recv() => {
+                    let Some(line) = line else { break };
+                    match classify(&line) {
+                        L1Line::JobOutput(i, text) if i < specs.len() => self.take_line(&mut consoles[i], text.to_owned()),
+                        L1Line::JobStart(i) if i < specs.len() => {
+                            current = Some((i, Instant::now()));
+                            l1_from[i] = l1_lines.len();
+                        }
+                        L1Line::Stuck(text) => match current {
+                            Some((i, _)) => self.take_line(&mut consoles[i], format!("L1: {text}")),
+                            None => l1_lines.push(line.clone()),
+                        },
+                        L1Line::JobExit { job, code, millis } if job < specs.len() => {
+                            outcomes[job] = Some((VmOutcome::Exited(code), Duration::from_millis(millis)));
+                            current = None;
+                        }
+                        L1Line::JobKtap { job, millis } if job < specs.len() => {
+                            time_to_ktap[job] = Some(Duration::from_millis(millis));
+                        }
+                        L1Line::JobTimeout(job) if job < specs.len() => {
+                            outcomes[job] = Some((VmOutcome::TimedOut, specs[job].timeout));
+                            current = None;
+                        }
+                        L1Line::Error(e) => agent_error = Some(e.to_owned()),
+                        L1Line::Ready => {
+                            ready = true;
+                            tracing::info!(after = ?started.elapsed(), "L1 ready");
+                        }
+                        L1Line::Done => done = true,
+                        _ => {
+                            if self.echo && !line.trim().is_empty() {
+                                println!("[L1] {line}");
+                            }
+                            l1_lines.push(line);
+                        }
+                    }
+                }
+                _ = &mut boot_deadline, if !ready && agent_error.is_none() => {
+                    failure = Some(L1Failure::Boot);
+                    break;
+                }
+                _ = tick.tick() => {
+                    // L1's agent reports a job's timeout itself; past that plus a margin, L1 is wedged.
+                    if let Some((i, since)) = current {
+                        if since.elapsed() > specs[i].timeout + L1_STALL_MARGIN {
+                            failure = Some(L1Failure::Stall);
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        stop(&mut qemu).await;
+        let after_secs = started.elapsed().as_secs_f64();
+        let first_unfinished = outcomes.iter().position(Option::is_none);
+        let death = match first_unfinished {
+            Some(k) if agent_error.is_none() => {
+                let oops = oops::find(&l1_lines);
+                let failure = failure.unwrap_or(if oops.is_some() { L1Failure::Panic } else { L1Failure::Exit });
+                let failure = if !ready && failure == L1Failure::Exit { L1Failure::Boot } else { failure };
+                let console = oops::excerpt(&l1_lines, oops.as_ref(), TAIL_LINES);
+                Some((k, L1Incident { failure, after_secs, oops, console }))
+            }
+            _ => None,
+        };
+        if first_unfinished.is_none() && !done {
+            tracing::debug!("L1 finished every job but did not say done");
+        }
+        // An oops in L1 that L1 survived is still an incident of the job it happened in.
+        let ends: Vec<usize> = (0..specs.len())
+            .map(|i| l1_from.get(i + 1).copied().filter(|&e| e > 0).unwrap_or(l1_lines.len()))
+            .collect();
+        let results = specs
+            .iter()
+            .zip(consoles)
+            .zip(outcomes)
+            .zip(time_to_ktap)
+            .enumerate()
+            .map(|(i, (((spec, console), outcome), ktap_at))| {
+                let (outcome, elapsed) = outcome?;
+                let mut result = VmResult::new(&spec.name, outcome, console, elapsed);
+                result.time_to_ktap = ktap_at;
+                let stretch = &l1_lines[l1_from[i].min(ends[i])..ends[i]];
+                if let Some(o) = oops::find(stretch) {
+                    let console = oops::excerpt(stretch, Some(&o), TAIL_LINES);
+                    result.l1_incidents.push(L1Incident {
+                        failure: L1Failure::Oops,
+                        after_secs,
+                        oops: Some(o),
+                        console,
+                    });
+                }
+                Some(result)
+            })
+            .collect();
+        let agent_error = agent_error
+            .map(|e| format!("{e}; last L1 console lines:\n{}", oops::excerpt(&l1_lines, None, TAIL_LINES).join("\n")));
+        Ok(L1Batch { results, death, ready, agent_error })
+    }
+}
+
+/// Marks every job from `from` on that has no result as not run, for `why`.
+fn fail_rest(results: &mut [Option<VmResult>], specs: &[VmSpec], from: usize, why: &str) {
+    for (r, spec) in results.iter_mut().zip(specs).skip(from).filter(|(r, _)| r.is_none()) {
+        *r = Some(VmResult::new(&spec.name, VmOutcome::CannotRun(why.to_owned()), Vec::new(), Duration::ZERO));
+    }
+}
+
+/// QEMU and what it loads (shared libraries from `ldd`, firmware), to run it inside L1 at
+/// the same paths. Paths are returned with the mode to give them.
+fn qemu_files() -> Result<Vec<(String, u32)>, HarnessError> {
+    let out = std::process::Command::new("ldd")
+        .arg(QEMU_PATH)
+        .output()
+        .map_err(|e| HarnessError::Spawn { program: "ldd".into(), reason: e.to_string() })?;
+    if !out.status.success() {
+        return Err(HarnessError::Prepare(format!("ldd {QEMU_PATH} failed: is qemu-system-x86 installed?")));
+    }
+    let mut files = vec![(QEMU_PATH.to_owned(), 0o755)];
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        // "libz.so.1 => /lib/x86_64-linux-gnu/libz.so.1 (0x...)" or "/lib64/ld-linux-x86-64.so.2 (0x...)"
+        let path = line.split("=>").last().unwrap_or("").split_whitespace().next().unwrap_or("");
+        if path.starts_with('/') {
+            files.push((path.to_owned(), 0o755));
+        }
+    }
+    files.extend(QEMU_FIRMWARE.iter().filter(|f| Path::new(f).exists()).map(|f| (f.to_string(), 0o644)));
+    Ok(files)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_l1_cmdline_carries_log_filter_and_extra_words() {
+        let c = L1Config::default();
+        assert_eq!(c.cmdline(None), "console=ttyS0 quiet panic=-1 gdrvm.l1");
+        assert_eq!(c.cmdline(Some("gdrvm=debug")), "console=ttyS0 quiet panic=-1 gdrvm.l1 GDRVM_LOG=gdrvm=debug");
+        assert_eq!(c.cmdline(Some("a b")), "console=ttyS0 quiet panic=-1 gdrvm.l1");
+        let c = L1Config { append: " nmi_watchdog=0 ".into(), ..L1Config::default() };
+        assert_eq!(c.cmdline(None), "console=ttyS0 quiet panic=-1 gdrvm.l1 nmi_watchdog=0");
+    }
+
+    #[test]
+    fn test_l1_qemu_args_follow_the_config() {
+        let c = L1Config { tcg_threads: TcgThreads::Single, cpu: "EPYC-v4".into(), smp: 4, append: String::new() };
+        let args = c.qemu_args(Path::new("/k"), "/proc/self/fd/7", 3072).join(" ");
+        assert!(args.starts_with("-accel tcg,thread=single -cpu EPYC-v4 -smp 4 -m 3072M "), "{args}");
+        assert!(args.contains("-kernel /k -initrd /proc/self/fd/7"), "{args}");
+    }
+}

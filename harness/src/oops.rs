@@ -1,0 +1,123 @@
+//! Kernel oopses in a console (the guest's or L1's): where one starts, and the signature
+//! that tells one from another in a soak's table (the first line, RIP, the task and CPU).
+
+/// Lines that open a kernel oops or panic report, in the kernel's words.
+const HEADLINES: &[&str] = &[
+    "BUG: ",
+    "Oops: ",
+    "general protection fault",
+    "kernel BUG at",
+    "stack guard page was hit",
+    "double fault",
+    "Kernel panic - not syncing",
+    "WARNING: CPU: ",
+];
+
+/// Lines kept from an oops on: enough for the registers, the trace and the panic line.
+pub const OOPS_LINES: usize = 120;
+
+/// One oops found in a console.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Oops {
+    /// Index of its first line in the console.
+    pub at: usize,
+    /// The first line (timestamp removed).
+    pub headline: String,
+    /// Where the CPU was (`RIP: 0010:error_entry+0x1a/0xd0`), when reported.
+    pub rip: Option<String>,
+    /// Which task and CPU (`CPU: 1 PID: 311 Comm: gdrvm`), when reported.
+    pub task: Option<String>,
+}
+
+impl Oops {
+    /// One line for tables: headline, task, RIP.
+    pub fn signature(&self) -> String {
+        let mut s = self.headline.clone();
+        for part in [&self.task, &self.rip].into_iter().flatten() {
+            s.push_str(" | ");
+            s.push_str(part);
+        }
+        s
+    }
+}
+
+/// A console line without the kernel's `[    1.234567] ` timestamp.
+fn text(line: &str) -> &str {
+    let t = line.trim_start();
+    match t.strip_prefix('[').and_then(|r| r.split_once("] ")) {
+        Some((stamp, rest)) if stamp.trim().chars().all(|c| c.is_ascii_digit() || c == '.') => rest,
+        _ => t,
+    }
+}
+
+/// The first oops in `lines`, if any.
+pub fn find(lines: &[String]) -> Option<Oops> {
+    let at = lines.iter().position(|l| HEADLINES.iter().any(|h| text(l).starts_with(h) || text(l).contains(h)))?;
+    let after = &lines[at..lines.len().min(at + OOPS_LINES)];
+    let field =
+        |prefix: &str| after.iter().map(|l| text(l)).find_map(|t| t.find(prefix).map(|i| t[i..].trim_end().to_owned()));
+    let task = field("CPU: ").map(|t| {
+        // "CPU: 1 PID: 311 Comm: gdrvm Not tainted 6.1.0-57-amd64 #1 Debian ..."
+        let end = [" Not tainted", " Tainted:"].iter().filter_map(|m| t.find(m)).min().unwrap_or(t.len());
+        t[..end].to_owned()
+    });
+    Some(Oops { at, headline: text(&lines[at]).trim_end().to_owned(), rip: field("RIP: "), task })
+}
+
+/// The lines of `lines` worth keeping for a report about `oops`: a few before it, up to
+/// [`OOPS_LINES`] from it, and the last lines of the console.
+pub fn excerpt(lines: &[String], oops: Option<&Oops>, tail: usize) -> Vec<String> {
+    let tail_from = lines.len().saturating_sub(tail);
+    let Some(oops) = oops else { return lines[tail_from..].to_vec() };
+    let from = oops.at.saturating_sub(5);
+    let to = lines.len().min(oops.at + OOPS_LINES);
+    let mut out = lines[from..to].to_vec();
+    if tail_from > to {
+        out.push(format!("[... {} lines ...]", tail_from - to));
+    }
+    out.extend_from_slice(&lines[tail_from.max(to)..]);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lines(s: &str) -> Vec<String> {
+        s.lines().map(str::to_owned).collect()
+    }
+
+    #[test]
+    fn test_finds_the_signature_of_a_stack_overflow_oops() {
+        let console = lines(
+            "[   90.1] kvm: Unhandled WRMSR\n\
+             [   91.2] BUG: stack guard page was hit at 00000000a1b2c3d4 (stack is 0000000011111111..0000000022222222)\n\
+             [   91.2] kernel stack overflow (double-fault): 0000 [#1] PREEMPT SMP NOPTI\n\
+             [   91.2] CPU: 1 PID: 311 Comm: qemu-system-x86 Not tainted 6.1.0-57-amd64 #1  Debian 6.1.192-3\n\
+             [   91.2] RIP: 0010:error_entry+0x1a/0xd0\n\
+             [   91.2] RBP: 00000000000008e0\n\
+             [   91.3] Kernel panic - not syncing: Fatal exception in interrupt",
+        );
+        let oops = find(&console).unwrap();
+        assert_eq!(oops.at, 1);
+        assert!(oops.headline.starts_with("BUG: stack guard page was hit"));
+        assert_eq!(oops.task.as_deref(), Some("CPU: 1 PID: 311 Comm: qemu-system-x86"));
+        assert_eq!(oops.rip.as_deref(), Some("RIP: 0010:error_entry+0x1a/0xd0"));
+        assert!(oops.signature().contains("Comm: qemu-system-x86 | RIP: 0010:error_entry"));
+        assert_eq!(excerpt(&console, Some(&oops), 40), console);
+    }
+
+    #[test]
+    fn test_no_oops_in_a_clean_console_and_excerpt_is_the_tail() {
+        let console: Vec<String> = (0..300).map(|i| format!("[ {i}.0] line {i}")).collect();
+        assert_eq!(find(&console), None);
+        assert_eq!(excerpt(&console, None, 40).len(), 40);
+        let mut long = console.clone();
+        long.insert(10, "[ 9.9] general protection fault, probably for non-canonical address".into());
+        let oops = find(&long).unwrap();
+        let ex = excerpt(&long, Some(&oops), 40);
+        assert_eq!(ex[5], long[10]);
+        assert!(ex.iter().any(|l| l.starts_with("[... ")), "{ex:?}");
+        assert_eq!(ex.last(), long.last());
+    }
+}

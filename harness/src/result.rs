@@ -1,0 +1,241 @@
+//! What a VM produced: its outcome, console, KTAP, figures, and what L1 went through
+//! while running it; `git bisect run` exit codes.
+
+use std::time::Duration;
+
+use crate::ktap::{self, KtapReport};
+use crate::oops::{self, Oops};
+
+/// Exit codes shared by every host command (`git bisect run` convention).
+pub mod exit {
+    /// Every test passed.
+    pub const PASS: i32 = 0;
+    /// A test failed, the guest panicked or hung.
+    pub const FAIL: i32 = 1;
+    /// Bad arguments.
+    pub const USAGE: i32 = 2;
+    /// Nothing could be tested (no image, no usable KVM, L1 failed).
+    pub const CANNOT_TEST: i32 = 125;
+}
+
+/// The kernel's message when it panics.
+const PANIC_MARKER: &str = "Kernel panic - not syncing";
+/// Console lines kept for a panic or hang report.
+pub const TAIL_LINES: usize = 40;
+
+/// How a VM ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VmOutcome {
+    /// The VMM exited with this status (for gdrvm: the guest's, or its own 125).
+    Exited(i32),
+    /// The guest ran past its timeout.
+    TimedOut,
+    /// The VM could not be run.
+    CannotRun(String),
+}
+
+/// What one VM produced.
+#[derive(Debug, Clone)]
+pub struct VmResult {
+    /// The spec's name.
+    pub name: String,
+    /// How it ended.
+    pub outcome: VmOutcome,
+    /// The guest kernel panicked (seen on the console), whatever happened after.
+    pub panicked: bool,
+    /// Console and gdrvm log lines, in order.
+    pub console: Vec<String>,
+    /// KTAP parsed from the console.
+    pub ktap: KtapReport,
+    /// Wall time of the VM.
+    pub elapsed: Duration,
+    /// From starting the VMM to the agent's first KTAP line.
+    pub time_to_ktap: Option<Duration>,
+    /// Figures gdrvm reported about itself (`--stats`).
+    pub stats: Option<GdrvmStats>,
+    /// L1 failures while this VM ran (nested runs); the VM ran again in a fresh L1 after
+    /// the first, and this result is that run's.
+    pub l1_incidents: Vec<L1Incident>,
+    /// Runs of this VM before this one that reset before printing anything (nested runs
+    /// run such a guest again once).
+    pub silent_resets: u32,
+}
+
+/// How an L1 failed to finish its jobs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum L1Failure {
+    /// L1's kernel panicked (or oopsed and QEMU went away).
+    Panic,
+    /// L1's kernel oopsed during the job and carried on.
+    Oops,
+    /// L1 stopped answering: a job overran its timeout with no word from L1's agent.
+    Stall,
+    /// QEMU exited before L1's agent said it was done, with nothing on the console to say why.
+    Exit,
+    /// L1 did not get ready (boot and KVM) within its budget.
+    Boot,
+}
+
+/// One L1 failure: what, during which job, its oops signature, and the L1 console lines
+/// around it (enough to name the process: the oops, its registers and trace, the tail).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct L1Incident {
+    /// What happened.
+    pub failure: L1Failure,
+    /// Seconds after L1 started.
+    pub after_secs: f64,
+    /// L1's first oops, if it printed one.
+    pub oops: Option<Oops>,
+    /// L1 console lines kept for the report.
+    pub console: Vec<String>,
+}
+
+impl L1Incident {
+    /// One line: the failure, when, and the oops signature.
+    pub fn summary(&self) -> String {
+        format!(
+            "L1 {:?} {:.0} s after boot{}",
+            self.failure,
+            self.after_secs,
+            self.oops.as_ref().map(|o| format!(": {}", o.signature())).unwrap_or_default()
+        )
+    }
+}
+
+/// What `gdrvm run --stats` reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+pub struct GdrvmStats {
+    /// Process start to the boot CPU's first KVM_RUN, in µs.
+    pub setup_us: Option<u64>,
+    /// Resident memory beyond guest RAM, in KiB.
+    pub rss_beyond_guest_kib: Option<u64>,
+}
+
+/// Prefix of gdrvm's stats line on stderr.
+const STATS_PREFIX: &str = "gdrvm-stats: ";
+
+impl VmResult {
+    pub(crate) fn new(name: &str, outcome: VmOutcome, console: Vec<String>, elapsed: Duration) -> Self {
+        let text = console.join("\n");
+        let panicked = text.contains(PANIC_MARKER);
+        let stats =
+            console.iter().find_map(|l| l.strip_prefix(STATS_PREFIX)).and_then(|j| serde_json::from_str(j).ok());
+        VmResult {
+            name: name.to_owned(),
+            outcome,
+            panicked,
+            ktap: ktap::parse(&text),
+            console,
+            elapsed,
+            time_to_ktap: None,
+            stats,
+            l1_incidents: Vec::new(),
+            silent_resets: 0,
+        }
+    }
+
+    /// The guest kernel's first oops, if it had one.
+    pub fn oops(&self) -> Option<Oops> {
+        oops::find(&self.console)
+    }
+
+    /// `git bisect run` status: 0 all passed, 1 failed/panicked/hung, 125 could not test.
+    pub fn exit_code(&self) -> i32 {
+        match &self.outcome {
+            _ if self.panicked => exit::FAIL,
+            VmOutcome::Exited(0) if self.ktap.all_ok() => exit::PASS,
+            VmOutcome::Exited(exit::CANNOT_TEST) | VmOutcome::CannotRun(_) => exit::CANNOT_TEST,
+            VmOutcome::Exited(exit::USAGE) => exit::USAGE,
+            _ => exit::FAIL,
+        }
+    }
+
+    /// A sentence for what went wrong at the VM level, if anything did.
+    pub fn problem(&self) -> Option<String> {
+        match &self.outcome {
+            VmOutcome::TimedOut if self.panicked => {
+                Some(format!("the guest kernel panicked and did not reset within {:.0?}", self.elapsed))
+            }
+            _ if self.panicked => Some("the guest kernel panicked".into()),
+            VmOutcome::Exited(0) if self.ktap.complete() => None,
+            VmOutcome::Exited(0) => Some("the guest exited without a complete KTAP report".into()),
+            VmOutcome::Exited(1) if self.ktap.complete() => None,
+            VmOutcome::Exited(code) => Some(format!("the VMM exited with status {code}{}", self.last_error())),
+            VmOutcome::TimedOut => Some(format!("the guest hung: no exit within {:.0?}", self.elapsed)),
+            VmOutcome::CannotRun(why) => Some(format!("could not run: {why}")),
+        }
+    }
+
+    fn last_error(&self) -> String {
+        self.console
+            .iter()
+            .rev()
+            .find(|l| l.starts_with("gdrvm: error:"))
+            .map(|l| format!(" ({l})"))
+            .unwrap_or_default()
+    }
+
+    /// The guest reset (gdrvm exit 1, no status) before the agent printed anything and
+    /// without a kernel panic on the console: a triple fault in early boot. Seen only in
+    /// nested runs under QEMU TCG, intermittently; the nested runner runs such a guest again.
+    pub fn silent_reset(&self) -> bool {
+        self.outcome == VmOutcome::Exited(1) && !self.panicked && self.time_to_ktap.is_none()
+    }
+
+    /// The last [`TAIL_LINES`] console lines.
+    pub fn tail(&self) -> &[String] {
+        &self.console[self.console.len().saturating_sub(TAIL_LINES)..]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn result(outcome: VmOutcome, console: &str) -> VmResult {
+        VmResult::new("t", outcome, console.lines().map(str::to_owned).collect(), Duration::from_secs(1))
+    }
+
+    const PASSING: &str = "KTAP version 1\n1..1\n    1..1\n    ok 1 a\nok 1 smoke";
+
+    #[test]
+    fn test_silent_reset_only_without_output_or_panic() {
+        assert!(result(VmOutcome::Exited(1), "gdrvm: the guest reset without reporting a status").silent_reset());
+        let panicked = "Kernel panic - not syncing: VFS: Unable to mount root fs\ngdrvm: the guest reset";
+        assert!(!result(VmOutcome::Exited(1), panicked).silent_reset());
+        assert!(!result(VmOutcome::Exited(0), "").silent_reset());
+        let mut spoke = result(VmOutcome::Exited(1), "KTAP version 1");
+        spoke.time_to_ktap = Some(Duration::from_secs(9));
+        assert!(!spoke.silent_reset());
+    }
+
+    #[test]
+    fn test_exit_codes_follow_bisect() {
+        assert_eq!(result(VmOutcome::Exited(0), PASSING).exit_code(), exit::PASS);
+        assert_eq!(result(VmOutcome::Exited(0), "KTAP version 1\n1..1\n").exit_code(), exit::FAIL);
+        assert_eq!(result(VmOutcome::Exited(1), PASSING).exit_code(), exit::FAIL);
+        assert_eq!(result(VmOutcome::TimedOut, "").exit_code(), exit::FAIL);
+        assert_eq!(
+            result(VmOutcome::Exited(125), "gdrvm: error: KVM: cannot open /dev/kvm").exit_code(),
+            exit::CANNOT_TEST
+        );
+        assert_eq!(result(VmOutcome::CannotRun("no L1".into()), "").exit_code(), exit::CANNOT_TEST);
+    }
+
+    #[test]
+    fn test_panic_detected_and_tail_kept() {
+        let mut console: Vec<String> = (0..100).map(|i| format!("line {i}")).collect();
+        console.push("[    1.2] Kernel panic - not syncing: VFS: Unable to mount root fs".into());
+        let r = VmResult::new("t", VmOutcome::Exited(1), console.clone(), Duration::ZERO);
+        assert!(r.panicked);
+        assert_eq!(r.outcome, VmOutcome::Exited(1));
+        assert_eq!(r.exit_code(), exit::FAIL);
+        assert_eq!(r.problem().as_deref(), Some("the guest kernel panicked"));
+        let hung = VmResult::new("t", VmOutcome::TimedOut, console, Duration::from_secs(300));
+        assert!(hung.problem().unwrap().contains("did not reset"), "{:?}", hung.problem());
+        assert_eq!(r.tail().len(), TAIL_LINES);
+        assert!(r.tail().last().unwrap().contains("Kernel panic"));
+        let err = result(VmOutcome::Exited(125), "gdrvm: error: kernel 'x' cannot be read: No such file");
+        assert!(err.problem().unwrap().contains("cannot be read"));
+    }
+}
