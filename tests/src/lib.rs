@@ -2,7 +2,10 @@
 //! run boots L1 once), with results shared by the test functions.
 //!
 //! Tests need the artifacts `cargo xtask test` builds first; without them each test prints
-//! SKIP with the reason instead of passing silently.
+//! SKIP with the reason instead of passing silently. Under `cargo xtask test` (which sets
+//! [`REQUIRED_ENV`]) nothing may be skipped for want of artifacts or a working runner: a
+//! test that cannot run fails with the reason, so CI never goes green having booted nothing.
+//! Only a host that truly lacks the means ([`skip_unsupported`]) still skips.
 
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -66,7 +69,8 @@ fn run_batch() -> Result<Vec<VmResult>, String> {
         let (kind, why) = gdrvm_harness::choose(RunnerChoice::Auto, &a).await;
         eprintln!("e2e: runner {kind:?}: {why}");
         // GDRVM_ECHO=1 prints every console line as it arrives, for debugging a slow run.
-        let runner = Runner { kind, artifacts: a.clone(), echo: std::env::var_os("GDRVM_ECHO").is_some() };
+        let mut runner = Runner::new(kind, a.clone());
+        runner.echo = std::env::var_os("GDRVM_ECHO").is_some();
         let results = runner.run(&specs(&a)).await.map_err(|e| e.to_string())?;
         for r in &results {
             eprintln!("e2e: {}: {:?} in {:.1?}", r.name, r.outcome, r.elapsed);
@@ -81,7 +85,23 @@ pub fn result(name: &str) -> Result<VmResult, String> {
     results.iter().find(|r| r.name == name).cloned().ok_or_else(|| format!("no guest named {name} in the batch"))
 }
 
-/// Prints a SKIP line for the test runner's output.
+/// Set (to anything) by `cargo xtask test`: every end-to-end test must run.
+pub const REQUIRED_ENV: &str = "GDRVM_E2E_REQUIRED";
+
+/// Marks the start of a SKIP line; `cargo xtask test` counts them.
+pub const SKIP_MARKER: &str = "SKIP ";
+
+/// Prints a SKIP line for a test that could not run; fails it instead when every test
+/// must run ([`REQUIRED_ENV`]).
 pub fn skip(test: &str, why: &str) {
-    eprintln!("SKIP {test}: {why}");
+    if std::env::var_os(REQUIRED_ENV).is_some() {
+        panic!("{test} could not run, and under `cargo xtask test` every end-to-end test must: {why}");
+    }
+    skip_unsupported(test, why);
+}
+
+/// Prints a SKIP line for a test this host has no means to run (not even in CI), in one
+/// line with the reason.
+pub fn skip_unsupported(test: &str, why: &str) {
+    eprintln!("{SKIP_MARKER}{test}: {why}");
 }

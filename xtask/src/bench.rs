@@ -26,16 +26,31 @@ fn median(mut v: Vec<f64>) -> Option<f64> {
     Some(if v.len() % 2 == 0 { (v[mid - 1] + v[mid]) / 2.0 } else { v[mid] })
 }
 
-/// Prints "`what`: median ... over N runs (each run)" and returns the median.
-fn print_median(what: &str, times: &[f64]) -> Option<f64> {
-    let m = median(times.to_vec());
+/// Fewest samples a median or ratio is printed from.
+const MIN_SAMPLES: usize = 3;
+
+/// Prints "`what`: median ... over N of M runs (each run)" and returns the median, or
+/// n/a when fewer than [`MIN_SAMPLES`] runs gave a figure.
+fn print_median(what: &str, times: &[f64], runs: usize) -> Option<f64> {
+    let m = median(times.to_vec()).filter(|_| times.len() >= MIN_SAMPLES);
+    let lost = runs - times.len().min(runs);
     println!(
-        "xtask: bench: {what}: median {} over {} runs ({})",
-        m.map_or("n/a".into(), |m| format!("{m:.3} s")),
+        "xtask: bench: {what}: median {} over {} of {runs} runs ({}){}",
+        m.map_or(format!("n/a (fewer than {MIN_SAMPLES} samples)"), |m| format!("{m:.3} s")),
         times.len(),
-        times.iter().map(|t| format!("{t:.2}")).collect::<Vec<_>>().join(", ")
+        times.iter().map(|t| format!("{t:.2}")).collect::<Vec<_>>().join(", "),
+        if lost > 0 { format!("; {lost} sample(s) lost") } else { String::new() }
     );
     m
+}
+
+/// Prints every L1 failure the runs went through (each cost a restart and a rerun).
+fn print_l1_incidents(results: &[VmResult]) {
+    for r in results {
+        for i in &r.l1_incidents {
+            println!("xtask: bench: {}: {}", r.name, i.summary());
+        }
+    }
 }
 
 fn specs(artifacts: &Artifacts, rounds: usize) -> Vec<VmSpec> {
@@ -75,15 +90,16 @@ pub async fn boot(runner: &Runner, rounds: usize) -> Result<()> {
                 println!("  | {line}");
             }
         }
-        medians.push((name, print_median(&format!("{name:<16} time to first KTAP line"), &times)));
+        medians.push((name, print_median(&format!("{name:<16} time to first KTAP line"), &times, mine.len())));
     }
+    print_l1_incidents(&results);
     let gdrvm = medians[0].1;
     let best_qemu = medians[1..].iter().filter_map(|(n, m)| m.map(|m| (n, m))).min_by(|a, b| a.1.total_cmp(&b.1));
     match (gdrvm, best_qemu) {
         (Some(g), Some((qname, q))) => {
             println!("xtask: bench: ratio gdrvm / best QEMU ({qname}) = {:.2} (target <= 0.5)", g / q)
         }
-        _ => println!("xtask: bench: ratio n/a (a VMM produced no KTAP)"),
+        _ => println!("xtask: bench: ratio n/a (a VMM has fewer than {MIN_SAMPLES} samples)"),
     }
     let gdrvm_runs = results.iter().filter(|r| r.name.starts_with("gdrvm #"));
     let setup: Vec<f64> = gdrvm_runs.clone().filter_map(|r| r.stats?.setup_us).map(|us| us as f64 / 1000.0).collect();
@@ -125,16 +141,14 @@ pub async fn topology(runner: &Runner, rounds: usize) -> Result<()> {
     let results = runner.run(&specs).await?;
     let mut medians = Vec::new();
     for node in NODES {
-        let times: Vec<f64> = results
-            .iter()
-            .filter(|r| r.name.starts_with(&format!("{node} #")))
-            .filter_map(|r| r.time_to_ktap.map(|d| d.as_secs_f64()))
-            .collect();
-        medians.push(print_median(&format!("{node:<10} time to agent"), &times));
+        let mine: Vec<&VmResult> = results.iter().filter(|r| r.name.starts_with(&format!("{node} #"))).collect();
+        let times: Vec<f64> = mine.iter().filter_map(|r| r.time_to_ktap.map(|d| d.as_secs_f64())).collect();
+        medians.push(print_median(&format!("{node:<10} time to agent"), &times, mine.len()));
     }
+    print_l1_incidents(&results);
     match (medians[0], medians[1]) {
         (Some(v), Some(m)) => println!("xtask: bench: ratio vela-a100 / minimal = {:.3} (target <= 1.10)", v / m),
-        _ => println!("xtask: bench: ratio n/a (a run produced no KTAP)"),
+        _ => println!("xtask: bench: ratio n/a (a node has fewer than {MIN_SAMPLES} samples)"),
     }
     Ok(())
 }

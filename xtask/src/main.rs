@@ -3,6 +3,7 @@
 mod bench;
 mod build;
 mod host;
+mod soak;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -11,7 +12,8 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use gdrvm_harness::{
-    exit, gdrvm_dir, junit, Artifacts, BootImage, Runner, RunnerChoice, RunnerKind, VmResult, VmSpec, Vmm,
+    exit, gdrvm_dir, junit, Artifacts, BootImage, L1Config, QemuMachine, Runner, RunnerChoice, RunnerKind, TcgThreads,
+    VmResult, VmSpec, Vmm,
 };
 
 #[derive(Parser)]
@@ -82,12 +84,93 @@ enum Cmd {
         #[arg(long, default_value_t = 10)]
         minutes: u64,
     },
+    /// Many boots in a row, counting L1 panics and stalls, guest oopses, silent resets and
+    /// hangs, each with its signature; or, with --kill, runs stopped at random points and
+    /// checked for anything left behind.
+    Soak {
+        /// Boots (rounds, with --kill).
+        #[arg(long, default_value_t = 100)]
+        boots: usize,
+        /// Stop each run at a random point (SIGINT, SIGTERM or SIGKILL to xtask or its VMM)
+        /// and check that no process, temp file, mount or net device is left.
+        #[arg(long)]
+        kill: bool,
+        /// Seed for --kill's random choices (the default is the clock; printed, to replay).
+        #[arg(long)]
+        seed: Option<u64>,
+        /// The VMM booting the guests (inside L1 when nested).
+        #[arg(long, value_enum, default_value = "gdrvm")]
+        vmm: VmmArg,
+        /// Guests per L1 boot.
+        #[arg(long, default_value_t = 10)]
+        per_l1: usize,
+        /// Guest suites, comma-separated (empty: boot to the agent and stop).
+        #[arg(long, default_value = "")]
+        suites: String,
+        #[command(flatten)]
+        l1: L1Opts,
+        /// Where VMs run.
+        #[arg(long, value_enum, default_value = "auto")]
+        runner: RunnerArg,
+    },
+    /// Pin every package of the image recipes to the version Debian's archive serves now
+    /// (refreshing apt's lists), with its sha256; rewrites images/recipes/*.toml.
+    Repin,
     /// Run every test: dependency guard, unit tests and end-to-end boots.
     Test {
         /// Extra arguments for `cargo test`.
         #[arg(last = true)]
         cargo_args: Vec<String>,
     },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum VmmArg {
+    /// gdrvm.
+    Gdrvm,
+    /// QEMU -M pc.
+    QemuPc,
+    /// QEMU -M microvm.
+    QemuMicrovm,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum TcgArg {
+    /// One host thread per vCPU (MTTCG).
+    Multi,
+    /// All vCPUs on one host thread.
+    Single,
+}
+
+/// How L1 is made (nested runs), for comparing configurations.
+#[derive(clap::Args)]
+struct L1Opts {
+    /// TCG threading of L1's vCPUs.
+    #[arg(long, value_enum, default_value = "multi")]
+    l1_tcg: TcgArg,
+    /// QEMU CPU model of L1 (it must offer SVM with NPT).
+    #[arg(long, default_value = "max,phys-bits=46")]
+    l1_cpu: String,
+    /// L1's vCPUs.
+    #[arg(long, default_value_t = 2)]
+    l1_smp: u32,
+    /// Extra words for L1's kernel command line.
+    #[arg(long, default_value = "")]
+    l1_append: String,
+}
+
+impl L1Opts {
+    fn config(&self) -> L1Config {
+        L1Config {
+            tcg_threads: match self.l1_tcg {
+                TcgArg::Multi => TcgThreads::Multi,
+                TcgArg::Single => TcgThreads::Single,
+            },
+            cpu: self.l1_cpu.clone(),
+            smp: self.l1_smp,
+            append: self.l1_append.clone(),
+        }
+    }
 }
 
 #[derive(Subcommand)]
@@ -128,6 +211,16 @@ fn main() -> ExitCode {
         Cmd::Image => build::artifacts().map(|_| exit::PASS),
         Cmd::Boot { suites, shell, append, run } => boot(&suites, shell, &append, &run),
         Cmd::Test { cargo_args } => test(&cargo_args),
+        Cmd::Repin => repin(),
+        Cmd::Soak { boots, kill, seed, vmm, per_l1, suites, l1, runner: arg } => {
+            let vmm = match vmm {
+                VmmArg::Gdrvm => Vmm::Gdrvm,
+                VmmArg::QemuPc => Vmm::Qemu(QemuMachine::Pc),
+                VmmArg::QemuMicrovm => Vmm::Qemu(QemuMachine::Microvm),
+            };
+            let plan = soak::SoakPlan { boots, vmm, per_l1, suites };
+            soak(&plan, kill, seed, l1.config(), arg)
+        }
         Cmd::Fuzz { minutes } => fuzz(minutes),
         Cmd::Bench { what: BenchCmd::Boot { rounds, runner: arg } } => bench_boot(rounds, arg),
         Cmd::Bench { what: BenchCmd::Topology { rounds, runner: arg } } => bench_topology(rounds, arg),
@@ -173,7 +266,47 @@ async fn runner(artifacts: Artifacts, arg: RunnerArg, echo: bool) -> Result<Runn
     if kind == RunnerKind::Nested {
         host::require_commands(&[("qemu-system-x86_64", "qemu-system-x86")])?;
     }
-    Ok(Runner { kind, artifacts, echo })
+    let mut runner = Runner::new(kind, artifacts);
+    runner.echo = echo;
+    Ok(runner)
+}
+
+fn soak(plan: &soak::SoakPlan, kill: bool, seed: Option<u64>, l1: L1Config, arg: RunnerArg) -> Result<i32> {
+    let artifacts = build::artifacts()?;
+    if plan.vmm != Vmm::Gdrvm {
+        host::require_commands(&[("qemu-system-x86_64", "qemu-system-x86")])?;
+    }
+    if kill {
+        let rt = tokio::runtime::Runtime::new().context("starting tokio")?;
+        let kind = rt.block_on(runner(artifacts, arg, false))?.kind;
+        let seed = seed.unwrap_or_else(|| {
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)
+        });
+        return soak::kill_soak(plan.boots, kind, seed);
+    }
+    run_interruptible(async {
+        let mut runner = runner(artifacts, arg, false).await?;
+        runner.l1 = l1;
+        soak::soak(&runner, plan).await
+    })
+}
+
+/// `cargo xtask repin`: every shipped recipe's packages to the archive's current versions.
+fn repin() -> Result<i32> {
+    host::require_commands(&[("apt-get", "apt"), ("dpkg-deb", "dpkg")])?;
+    let cache = gdrvm_images::Cache::new(gdrvm_dir().join("cache"));
+    let progress = |line: &str| println!("xtask: repin: {line}");
+    let mut recipes: Vec<PathBuf> = std::fs::read_dir(gdrvm_images::recipes_dir())?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "toml"))
+        .collect();
+    recipes.sort();
+    for path in recipes {
+        let moved = gdrvm_images::repin(&path, &cache, &progress)?;
+        println!("xtask: repin: {}: {} pin(s) moved", path.display(), moved.len());
+    }
+    Ok(exit::PASS)
 }
 
 fn boot(suites: &[String], shell: bool, append: &str, opts: &RunOpts) -> Result<i32> {
@@ -332,18 +465,112 @@ fn test(cargo_args: &[String]) -> Result<i32> {
     single_rust_vmm_versions()?;
     host::require_commands(&[("iasl", "acpica-tools"), ("qemu-system-x86_64", "qemu-system-x86")])?;
     build::artifacts()?;
-    let status = std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    println!("xtask: unit and integration tests");
+    let units = std::process::Command::new(&cargo)
         .current_dir(build::workspace())
-        .args(["test", "--workspace"])
+        .args(["test", "--workspace", "--exclude", "gdrvm-e2e"])
         .args(cargo_args)
         .status()
         .context("running cargo test")?;
-    Ok(status.code().unwrap_or(exit::FAIL))
+    println!("xtask: end-to-end tests (every one must run: {}=1)", gdrvm_e2e::REQUIRED_ENV);
+    let e2e = e2e_tests(&cargo, cargo_args)?;
+    println!(
+        "xtask: e2e: {} tests: {} ran ({} passed, {} failed), {} skipped",
+        e2e.passed + e2e.failed,
+        e2e.passed + e2e.failed - e2e.skipped.min(e2e.passed),
+        e2e.passed - e2e.skipped.min(e2e.passed),
+        e2e.failed,
+        e2e.skipped
+    );
+    let ok = units.success() && e2e.status_ok && e2e.failed == 0;
+    Ok(if ok { exit::PASS } else { exit::FAIL })
+}
+
+/// What the end-to-end run reported.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct E2eCounts {
+    passed: usize,
+    failed: usize,
+    skipped: usize,
+    status_ok: bool,
+}
+
+impl E2eCounts {
+    /// Reads libtest's result lines and the tests' SKIP lines.
+    fn read(&mut self, line: &str) {
+        if let Some(rest) = line.trim().strip_prefix("test result: ") {
+            let count = |what: &str| {
+                rest.split(';').find_map(|p| p.trim().strip_suffix(what)?.trim().rsplit(' ').next()?.parse().ok())
+            };
+            self.passed += count(" passed").unwrap_or(0);
+            self.failed += count(" failed").unwrap_or(0);
+        }
+        if line.contains(&format!("{}test_", gdrvm_e2e::SKIP_MARKER)) {
+            self.skipped += 1;
+        }
+    }
+}
+
+/// Runs the e2e crate's tests with their output shown (for the SKIP lines), echoing it.
+fn e2e_tests(cargo: &str, cargo_args: &[String]) -> Result<E2eCounts> {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(cargo)
+        .current_dir(build::workspace())
+        .args(["test", "-p", "gdrvm-e2e"])
+        .args(cargo_args)
+        .args(["--", "--nocapture"])
+        .env(gdrvm_e2e::REQUIRED_ENV, "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .context("running cargo test -p gdrvm-e2e")?;
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    let readers: Vec<_> = [
+        child.stdout.take().map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
+        child.stderr.take().map(|s| Box::new(s) as _),
+    ]
+    .into_iter()
+    .flatten()
+    .map(|stream| {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stream).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        })
+    })
+    .collect();
+    drop(tx);
+    let mut counts = E2eCounts::default();
+    for line in rx {
+        println!("{line}");
+        counts.read(&line);
+    }
+    for r in readers {
+        let _ = r.join();
+    }
+    counts.status_ok = child.wait()?.success();
+    Ok(counts)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn test_e2e_counts_read_libtest_and_skip_lines() {
+        let mut c = E2eCounts::default();
+        for line in [
+            "SKIP test_smoke_suite_passes_with_two_cpus_and_1g: no artifacts",
+            "test e2e::boot::test_smoke ... ok",
+            "test result: ok. 14 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 80.1s",
+            "test result: FAILED. 1 passed; 2 failed; 0 ignored; 0 measured; 0 filtered out",
+        ] {
+            c.read(line);
+        }
+        assert_eq!(c, E2eCounts { passed: 15, failed: 2, skipped: 1, status_ok: false });
+    }
 
     #[test]
     fn test_guard_reads_only_duplicated_packages() {
