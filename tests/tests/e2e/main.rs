@@ -4,5 +4,6 @@
 mod apt_lists;
 mod bad_input;
 mod boot;
+mod nested_failure;
 mod numa;
 mod pci;
