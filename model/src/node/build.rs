@@ -5,7 +5,8 @@ use std::collections::HashMap;
 
 use super::error::{KeyError, NodeError};
 use super::schema::{BarEntry, EndpointEntry, NodeFile};
-use super::{Bar, Bdf, EndpointKind, Function, FunctionKind, HostBridge, Link, Node, NumaNode};
+use super::{identity, Backing, Bar, Bdf, EndpointKind, Function, FunctionKind, HostBridge, Link, Node, NumaNode};
+use crate::host_pci::HostPci;
 
 /// PCI class of a PCI-to-PCI bridge (root and switch ports).
 const CLASS_PCI_BRIDGE: u32 = 0x06_04_00;
@@ -52,6 +53,7 @@ fn bridge(name: String, key: String, kind: FunctionKind, at: At, ids: (u16, u16)
         bars: Vec::new(),
         buses: None,
         windows: None,
+        backing: Backing::None,
     }
 }
 
@@ -78,6 +80,8 @@ type Places = HashMap<String, Place>;
 /// The tree being built: who sits below whom, then the numbered functions.
 struct Builder<'a> {
     file: &'a NodeFile,
+    /// Where passed-through devices are looked up.
+    host: &'a HostPci,
     links: HashMap<String, Link>,
     hb_children: Vec<Vec<(Option<u8>, Child, String)>>,
     rp_child: Vec<Option<Child>>,
@@ -96,10 +100,11 @@ fn key(section: &str, i: usize, name: &str, field: &str) -> String {
     format!("{}.{field}", entry(section, i, name))
 }
 
-/// Checks `text` (from `origin`) and builds the node.
-pub fn build(origin: &str, text: &str) -> Result<Node, NodeError> {
+/// Checks `text` (from `origin`) and builds the node; passed-through devices are looked
+/// up in `host`.
+pub fn build(origin: &str, text: &str, host: &HostPci) -> Result<Node, NodeError> {
     let file = parse_toml(origin, text)?;
-    build_file(&file).map_err(|e| e.in_file(origin))
+    build_file(&file, host).map_err(|e| e.in_file(origin))
 }
 
 fn parse_toml(origin: &str, text: &str) -> Result<NodeFile, NodeError> {
@@ -111,10 +116,10 @@ fn parse_toml(origin: &str, text: &str) -> Result<NodeFile, NodeError> {
 }
 
 /// NUMA nodes, names, who sits below whom, bus and device numbers, then addresses.
-fn build_file(file: &NodeFile) -> Result<Node, KeyError> {
+fn build_file(file: &NodeFile, host: &HostPci) -> Result<Node, KeyError> {
     let numa = numa_nodes(file)?;
     let places = resolve_names(file, numa.len())?;
-    let mut b = Builder::new(file);
+    let mut b = Builder::new(file, host);
     b.attach_root_ports(&places)?;
     b.attach_switches(&places)?;
     b.attach_endpoints(&places)?;
@@ -195,7 +200,7 @@ fn resolve_names(file: &NodeFile, numa_nodes: usize) -> Result<Places, KeyError>
 }
 
 /// An endpoint's BARs; `k` is its `bars` key.
-fn parse_bars(bars: &[BarEntry], k: &str) -> Result<Vec<Bar>, KeyError> {
+pub(super) fn parse_bars(bars: &[BarEntry], k: &str) -> Result<Vec<Bar>, KeyError> {
     let mut out = Vec::new();
     let mut index = 0u8;
     for (j, bar) in bars.iter().enumerate() {
@@ -222,8 +227,9 @@ fn parse_bars(bars: &[BarEntry], k: &str) -> Result<Vec<Bar>, KeyError> {
     Ok(out)
 }
 
-/// An endpoint's kind and class code; `entry` names it in the file.
-fn endpoint_kind(ep: &EndpointEntry, entry: &str) -> Result<(EndpointKind, u32), KeyError> {
+/// An endpoint's kind and the class code it implies (none for a generic one); `entry`
+/// names it in the file.
+fn endpoint_kind(ep: &EndpointEntry, entry: &str) -> Result<(EndpointKind, Option<u32>), KeyError> {
     let (kind, default_class) = match ep.kind.as_str() {
         "gpu" => (EndpointKind::Gpu, Some(0x03_02_00)),
         "nic" => (EndpointKind::Nic, Some(0x02_00_00)),
@@ -234,21 +240,17 @@ fn endpoint_kind(ep: &EndpointEntry, entry: &str) -> Result<(EndpointKind, u32),
             return Err(KeyError::new(format!("{entry}.kind"), reason));
         }
     };
-    let class_key = || format!("{entry}.class");
-    let class = ep
-        .class
-        .or(default_class)
-        .ok_or_else(|| KeyError::new(class_key(), "a generic endpoint needs its class code"))?;
-    if class > 0xff_ffff {
-        return Err(KeyError::new(class_key(), format!("{class:#x} is more than 24 bits")));
+    if let Some(class) = ep.class.filter(|c| *c > 0xff_ffff) {
+        return Err(KeyError::new(format!("{entry}.class"), format!("{class:#x} is more than 24 bits")));
     }
-    Ok((kind, class))
+    Ok((kind, default_class))
 }
 
 impl<'a> Builder<'a> {
-    fn new(file: &'a NodeFile) -> Self {
+    fn new(file: &'a NodeFile, host: &'a HostPci) -> Self {
         Builder {
             file,
+            host,
             links: HashMap::new(),
             hb_children: vec![Vec::new(); file.host_bridge.len()],
             rp_child: vec![None; file.root_port.len()],
@@ -512,12 +514,10 @@ impl<'a> Builder<'a> {
     fn number_endpoint(&mut self, i: usize, at: At) -> Result<(), KeyError> {
         let ep = &self.file.endpoint[i];
         let k = entry("endpoint", i, &ep.name);
-        let (kind, class) = endpoint_kind(ep, &k)?;
-        if ep.backing != "emulated" {
-            let reason = format!("'{}' is not a backing this version knows (emulated)", ep.backing);
-            return Err(KeyError::new(format!("{k}.backing"), reason));
-        }
-        let bars = parse_bars(&ep.bars, &format!("{k}.bars"))?;
+        let (kind, default_class) = endpoint_kind(ep, &k)?;
+        let backing: Backing =
+            ep.backing.parse().map_err(|reason: String| KeyError::new(format!("{k}.backing"), reason))?;
+        let id = identity::resolve(ep, &k, backing, default_class, self.host)?;
         let f = Function {
             name: ep.name.clone(),
             key: k,
@@ -525,18 +525,19 @@ impl<'a> Builder<'a> {
             bdf: at.bdf,
             host_bridge: at.host_bridge,
             parent: at.parent,
-            vendor: ep.vendor,
-            device: ep.device,
-            class,
-            subsystem: ep.subsystem.map(|[v, d]| (v, d)),
+            vendor: id.vendor,
+            device: id.device,
+            class: id.class,
+            subsystem: id.subsystem,
             link: Some(self.links[&ep.name]),
             acs: false,
             acs_control: 0,
             ats: ep.ats,
             virtual_function: ep.virtual_function,
-            bars,
+            bars: id.bars,
             buses: None,
             windows: None,
+            backing,
         };
         self.push(f);
         Ok(())

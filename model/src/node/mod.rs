@@ -8,6 +8,7 @@ mod build;
 mod error;
 mod expect;
 mod export;
+mod identity;
 mod schema;
 mod tree;
 
@@ -18,6 +19,8 @@ pub use address::{BridgeWindows, Window};
 pub use error::NodeError;
 
 use error::KeyError;
+
+use crate::host_pci::{HostBdf, HostPci};
 
 /// A preset: name, TOML text.
 const PRESETS: &[(&str, &str)] = &[
@@ -180,6 +183,37 @@ impl FunctionKind {
     }
 }
 
+/// What stands behind an endpoint's configuration space.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Backing {
+    /// Nothing: the VMM's configuration space alone, BARs read all-ones.
+    #[default]
+    None,
+    /// A host device passed through with VFIO.
+    Vfio(HostBdf),
+}
+
+impl std::str::FromStr for Backing {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.split_once(':') {
+            _ if s == "none" => Ok(Backing::None),
+            Some(("vfio", bdf)) => bdf.parse().map(Backing::Vfio),
+            _ => Err(format!("'{s}' is not a backing this version knows (none, vfio:<host BDF>)")),
+        }
+    }
+}
+
+impl fmt::Display for Backing {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        match self {
+            Backing::None => f.write_str("none"),
+            Backing::Vfio(bdf) => write!(f, "vfio:{bdf}"),
+        }
+    }
+}
+
 /// A memory BAR.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Bar {
@@ -265,6 +299,8 @@ pub struct Function {
     pub buses: Option<(u8, u8)>,
     /// For bridges: the windows the VMM assigns.
     pub windows: Option<BridgeWindows>,
+    /// What stands behind it (endpoints; bridges are the VMM's own).
+    pub backing: Backing,
 }
 
 /// The ACS controls a node file may set, by bit of the ACS Control register (PCIe 4.0,
@@ -324,9 +360,15 @@ impl Node {
         }
     }
 
-    /// Checks node-file text; `origin` names it in errors.
+    /// Checks node-file text; `origin` names it in errors. Passed-through devices are
+    /// looked up in this host's sysfs.
     pub fn parse(origin: &str, text: &str) -> Result<Node, NodeError> {
-        build::build(origin, text)
+        build::build(origin, text, &HostPci::default())
+    }
+
+    /// [`Node::parse`] with host devices looked up in `host` (a recorded sysfs in tests).
+    pub fn parse_with_host(origin: &str, text: &str, host: &HostPci) -> Result<Node, NodeError> {
+        build::build(origin, text, host)
     }
 
     /// The link a function trained to: the slower and narrower of its own and its partner's

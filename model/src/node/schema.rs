@@ -86,8 +86,9 @@ pub struct EndpointEntry {
     /// the switch's next free downstream port).
     pub parent: String,
     pub slot: Option<u8>,
-    pub vendor: u16,
-    pub device: u16,
+    /// IDs: required unless a passed-through device supplies them.
+    pub vendor: Option<u16>,
+    pub device: Option<u16>,
     pub class: Option<u32>,
     pub subsystem: Option<[u16; 2]>,
     pub link: String,
@@ -98,7 +99,8 @@ pub struct EndpointEntry {
     /// An SR-IOV virtual function (as a VF passed through to the guest appears).
     #[serde(default)]
     pub virtual_function: bool,
-    #[serde(default = "emulated")]
+    /// What stands behind the endpoint: `none`, or `vfio:<host BDF>`.
+    #[serde(default = "no_backing")]
     pub backing: String,
 }
 
@@ -118,8 +120,8 @@ fn yes() -> bool {
     true
 }
 
-fn emulated() -> String {
-    "emulated".into()
+fn no_backing() -> String {
+    "none".into()
 }
 
 fn sixty_four() -> u8 {
