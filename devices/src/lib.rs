@@ -4,19 +4,32 @@
 //! by the VMM. A device never reaches into the VMM: what a guest access means for the
 //! machine as a whole (power off, reset, an exit status) is reported through
 //! [`GuestExitSignal`].
+//!
+//! PCI functions backed by devices implement [`PciDevice`]; a configuration write returns
+//! its [`ConfigWriteEffects`], MSI and MSI-X are emulated once ([`MsiCapability`],
+//! [`MsixTable`]), and the [`DmaSpace`] mirrors guest RAM and mapped BARs into every
+//! [`DmaTarget`]. Register names shared with the VMM are in [`pci_regs`].
 
 mod bus;
 mod debug_exit;
+mod dma;
 mod exit;
 mod i8042;
+mod pci;
 mod serial;
 mod sleep;
 mod sync;
 
 pub use bus::{Bus, BusDevice, BusError};
 pub use debug_exit::DebugExit;
+pub use dma::{DeviceId, DmaError, DmaOp, DmaRegion, DmaSpace, DmaTarget, TargetError};
 pub use exit::{GuestExit, GuestExitSignal};
 pub use i8042::I8042;
+pub use pci::regs as pci_regs;
+pub use pci::{
+    BarChange, BarInfo, BarMapping, ConfigOwnership, ConfigWriteEffects, DeviceError, Fire, MsiCapability, MsiEvent,
+    MsiMessage, MsixControl, MsixEvent, MsixTable, Owner, PciDevice, MSIX_MAX_VECTORS, MSI_MAX_VECTORS,
+};
 pub use serial::{Serial, SerialInput, COM1_IRQ, COM1_LEN, COM1_PORT};
 pub use sleep::{
     AcpiSleepControl, ResetRegister, ACPI_RESET_PORT, ACPI_RESET_VALUE, ACPI_SLEEP_LEN, ACPI_SLEEP_PORT, S5_SLEEP_TYPE,

@@ -6,7 +6,6 @@
 //! Hypervisor's and crosvm's PCI buses are tied to their own device managers.
 
 mod config;
-mod regs;
 
 use std::sync::{Arc, Mutex};
 

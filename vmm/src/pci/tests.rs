@@ -1,8 +1,8 @@
+use gdrvm_devices::pci_regs::*;
 use gdrvm_devices::ResetRegister;
 use gdrvm_model::layout::ECAM_SIZE;
 use gdrvm_model::node::{FunctionKind, Node};
 
-use super::regs::*;
 use super::*;
 
 fn minimal() -> Node {

@@ -1,7 +1,7 @@
 //! Configuration-space register offsets and bits, named as Linux names them in
 //! `include/uapi/linux/pci_regs.h` (PCI Local Bus 3.0, PCI Express Base 4.0 chapter 7).
 //! Capability registers are offsets from the start of their capability; a field's
-//! position is its mask's lowest set bit.
+//! position is its mask's lowest set bit. Devices and the VMM both name registers from here.
 
 // Common header.
 pub const PCI_VENDOR_ID: usize = 0x00;
@@ -50,6 +50,7 @@ pub const PCI_PREF_RANGE_TYPE_64: u16 = 0x01;
 // Capability list.
 pub const PCI_CAP_LIST_ID: usize = 0x00;
 pub const PCI_CAP_LIST_NEXT: usize = 0x01;
+pub const PCI_CAP_ID_MSI: u8 = 0x05;
 pub const PCI_CAP_ID_EXP: u8 = 0x10;
 pub const PCI_CAP_ID_MSIX: u8 = 0x11;
 
@@ -91,6 +92,30 @@ pub const PCI_MSIX_PBA: usize = 0x08;
 pub const PCI_MSIX_FLAGS_MASKALL: u16 = 0x4000;
 pub const PCI_MSIX_FLAGS_ENABLE: u16 = 0x8000;
 pub const PCI_MSIX_ENTRY_SIZE: u32 = 16;
+// MSI-X table entry: registers from the start of the entry.
+pub const PCI_MSIX_ENTRY_LOWER_ADDR: usize = 0x0;
+pub const PCI_MSIX_ENTRY_UPPER_ADDR: usize = 0x4;
+pub const PCI_MSIX_ENTRY_DATA: usize = 0x8;
+pub const PCI_MSIX_ENTRY_VECTOR_CTRL: usize = 0xc;
+pub const PCI_MSIX_ENTRY_CTRL_MASKBIT: u32 = 0x1;
+
+// MSI capability.
+pub const PCI_MSI_FLAGS: usize = 0x02;
+pub const PCI_MSI_ADDRESS_LO: usize = 0x04;
+pub const PCI_MSI_ADDRESS_HI: usize = 0x08;
+pub const PCI_MSI_DATA_32: usize = 0x08;
+pub const PCI_MSI_MASK_32: usize = 0x0c;
+pub const PCI_MSI_PENDING_32: usize = 0x10;
+pub const PCI_MSI_DATA_64: usize = 0x0c;
+pub const PCI_MSI_MASK_64: usize = 0x10;
+pub const PCI_MSI_PENDING_64: usize = 0x14;
+pub const PCI_MSI_FLAGS_ENABLE: u16 = 0x0001;
+/// Multiple Message Capable: log2 of the vectors the function offers.
+pub const PCI_MSI_FLAGS_QMASK: u16 = 0x000e;
+/// Multiple Message Enable: log2 of the vectors software granted.
+pub const PCI_MSI_FLAGS_QSIZE: u16 = 0x0070;
+pub const PCI_MSI_FLAGS_64BIT: u16 = 0x0080;
+pub const PCI_MSI_FLAGS_MASKBIT: u16 = 0x0100;
 
 // Extended capabilities: they start after the 256 bytes of conventional config space.
 pub const PCI_CFG_SPACE_SIZE: usize = 0x100;

@@ -1,0 +1,119 @@
+//! The narrow trait a PCI function's backend implements, modelled on Firecracker's four
+//! methods: configuration bytes the device owns, accesses to its trapped BARs, and what it
+//! offers. Everything else (topology registers, BAR placement, the MSI-X capability) stays
+//! with the VMM, which asks the device only for the bytes it does not own.
+//!
+//! Written by hand: rust-vmm has no PCI device crate, and Cloud Hypervisor's and crosvm's
+//! traits carry their device managers' plumbing.
+
+use std::fs::File;
+use std::ops::Range;
+use std::sync::Arc;
+
+/// A PCI function's backend: an emulated device, a VFIO device, a vfio-user server.
+pub trait PciDevice: Send {
+    /// Reads device-owned configuration bytes at register `reg` (the VMM asks only for
+    /// bytes it does not own).
+    fn config_read(&mut self, reg: usize, data: &mut [u8]);
+    /// Writes device-owned configuration bytes at register `reg`.
+    fn config_write(&mut self, reg: usize, data: &[u8]);
+    /// Reads `data.len()` bytes of trapped BAR `bar` at `offset` from the BAR's start.
+    fn bar_read(&mut self, bar: u8, offset: u64, data: &mut [u8]);
+    /// Writes trapped BAR `bar` at `offset` from the BAR's start.
+    fn bar_write(&mut self, bar: u8, offset: u64, data: &[u8]);
+    /// The memory BARs the device offers and how each can be reached. Default: none.
+    fn bars(&self) -> Vec<BarInfo> {
+        Vec::new()
+    }
+    /// Resets the device (FLR or its own reset) before the guest starts and after it stops.
+    fn reset(&mut self) -> Result<(), DeviceError> {
+        Ok(())
+    }
+}
+
+/// One memory BAR a device offers.
+#[derive(Debug, Clone)]
+pub struct BarInfo {
+    /// BAR register index, 0 to 5 (a 64-bit BAR also takes `index + 1`).
+    pub index: u8,
+    /// Size in bytes, a power of two.
+    pub size: u64,
+    /// Whether the BAR takes two registers and may sit above 4 GiB.
+    pub is_64bit: bool,
+    /// Whether reads have no side effects (the guest may map it write-combined).
+    pub prefetchable: bool,
+    /// How guest accesses reach the BAR.
+    pub mapping: BarMapping,
+}
+
+/// How guest accesses to a BAR reach the device.
+#[derive(Debug, Clone)]
+pub enum BarMapping {
+    /// Every access exits to the VMM and goes to [`PciDevice::bar_read`]/[`PciDevice::bar_write`].
+    Trapped,
+    /// The BAR is memory the VMM maps into the guest (a KVM slot over `fd`) and into the
+    /// DMA space; only `holes` stay trapped.
+    Mapped {
+        /// The file the BAR is mapped from (a VFIO device fd, a vfio-user region fd).
+        fd: Arc<File>,
+        /// Offset of the BAR's start in `fd`.
+        offset: u64,
+        /// Sub-ranges of the BAR, offsets from its start, that stay trapped (the MSI-X
+        /// table and PBA pages).
+        holes: Vec<Range<u64>>,
+    },
+}
+
+/// Errors a device reports to the VMM.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    /// The device could not be reset.
+    #[error("the device could not be reset")]
+    Reset(#[source] std::io::Error),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A device that implements only the four access methods.
+    struct Scratch([u8; 4]);
+
+    impl PciDevice for Scratch {
+        fn config_read(&mut self, _reg: usize, data: &mut [u8]) {
+            data.fill(0xff);
+        }
+        fn config_write(&mut self, _reg: usize, _data: &[u8]) {}
+        fn bar_read(&mut self, _bar: u8, offset: u64, data: &mut [u8]) {
+            let at = offset as usize;
+            match self.0.get(at..at + data.len()) {
+                Some(src) => data.copy_from_slice(src),
+                None => data.fill(0xff),
+            }
+        }
+        fn bar_write(&mut self, _bar: u8, offset: u64, data: &[u8]) {
+            let at = offset as usize;
+            if let Some(dst) = self.0.get_mut(at..at + data.len()) {
+                dst.copy_from_slice(data);
+            }
+        }
+    }
+
+    #[test]
+    fn test_defaults_offer_nothing_and_reset_succeeds() {
+        let mut dev: Box<dyn PciDevice> = Box::new(Scratch([0; 4]));
+        assert!(dev.bars().is_empty());
+        assert!(dev.reset().is_ok());
+        dev.bar_write(0, 1, &[0xab, 0xcd]);
+        let mut b = [0u8; 4];
+        dev.bar_read(0, 0, &mut b);
+        assert_eq!(b, [0, 0xab, 0xcd, 0]);
+    }
+
+    #[test]
+    fn test_reset_error_keeps_its_cause() {
+        let e = DeviceError::Reset(std::io::Error::from_raw_os_error(libc::EBUSY));
+        assert_eq!(e.to_string(), "the device could not be reset");
+        assert!(std::error::Error::source(&e).is_some());
+    }
+}

@@ -1,0 +1,17 @@
+//! PCI functions backed by devices: the narrow device trait, who owns each configuration
+//! byte, what a configuration write means for the machine, and the MSI and MSI-X
+//! emulation every kind of device shares. All pure data structures: the VMM wires them to
+//! KVM, VFIO and its buses.
+
+mod device;
+mod effects;
+mod msi;
+mod msix;
+mod ownership;
+pub mod regs;
+
+pub use device::{BarInfo, BarMapping, DeviceError, PciDevice};
+pub use effects::{BarChange, ConfigWriteEffects, MsixControl};
+pub use msi::{MsiCapability, MsiEvent, MSI_MAX_VECTORS};
+pub use msix::{Fire, MsiMessage, MsixEvent, MsixTable, MSIX_MAX_VECTORS};
+pub use ownership::{ConfigOwnership, Owner};
