@@ -8,6 +8,7 @@ pub mod config;
 mod console;
 pub mod cpu_topology;
 pub mod initrd;
+pub mod irq;
 pub mod machine;
 pub mod memory;
 pub mod pci;

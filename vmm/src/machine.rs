@@ -28,6 +28,7 @@ use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 use crate::config::{ConfigError, VmConfig};
 use crate::console::{EscapeFilter, InputAction, RawTerminal};
 use crate::cpu_topology::CpuPlace;
+use crate::irq::{GsiRouter, IrqError};
 use crate::pci::{ConfigIo, Ecam, PciSegment, CONFIG_IO_LEN, CONFIG_IO_PORT};
 use crate::vcpu::{self, ExitContext, VcpuError};
 use crate::{acpi, bios, boot, cpu_topology, initrd, memory};
@@ -65,6 +66,9 @@ pub enum VmmError {
     /// Devices overlap.
     #[error("device layout: {0}")]
     Bus(#[from] gdrvm_devices::BusError),
+    /// Interrupt routing could not be set up.
+    #[error(transparent)]
+    Irq(#[from] IrqError),
     /// A host resource (eventfd, epoll, signalfd, thread) could not be had.
     #[error("host: cannot {what}")]
     Host {
@@ -147,6 +151,7 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
     // Host signals are read from a signalfd; block them before any thread starts.
     let signals = SignalFd::new()?;
     let (kvm_sys, vm) = create_vm()?;
+    let irq = interrupt_routing(&vm)?;
     let ram = memory::create(config.memory)?;
     register_memory(&vm, &ram.memory)?;
     tracing::debug!(elapsed = ?started.elapsed(), "VM and guest RAM ready");
@@ -161,7 +166,7 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
 
     let signal = Arc::new(GuestExitSignal::new().map_err(host("create an eventfd"))?);
     let serial_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(host("create an eventfd"))?;
-    vm.register_irqfd(&serial_irq, COM1_IRQ).map_err(kvm("register the serial irqfd"))?;
+    irq.legacy_irqfd(&serial_irq, COM1_IRQ)?;
     let drained = EventFd::new(libc::EFD_NONBLOCK).map_err(host("create an eventfd"))?;
     let serial = Arc::new(Mutex::new(Serial::new(
         serial_irq,
@@ -209,7 +214,7 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
 }
 
 /// Opens KVM and creates the VM with its in-kernel irqchip and PIT.
-fn create_vm() -> Result<(Kvm, VmFd), VmmError> {
+fn create_vm() -> Result<(Kvm, Arc<VmFd>), VmmError> {
     let kvm_sys = Kvm::new().map_err(kvm("open /dev/kvm"))?;
     let vm = kvm_sys.create_vm().map_err(kvm("create a VM"))?;
     vm.set_tss_address(layout::KVM_TSS_ADDRESS as usize).map_err(kvm("set the TSS address"))?;
@@ -217,7 +222,16 @@ fn create_vm() -> Result<(Kvm, VmFd), VmmError> {
     vm.create_irq_chip().map_err(kvm("create the in-kernel irqchip"))?;
     let pit = kvm_pit_config { flags: KVM_PIT_SPEAKER_DUMMY, ..Default::default() };
     vm.create_pit2(pit).map_err(kvm("create the in-kernel PIT"))?;
-    Ok((kvm_sys, vm))
+    Ok((kvm_sys, Arc::new(vm)))
+}
+
+/// Takes over KVM's GSI routing table: the router sends the legacy routes again, as
+/// KVM_CREATE_IRQCHIP left them, and every route device wiring adds (MSI vectors, INTx
+/// lines) joins them there. Device wiring takes the router from here.
+fn interrupt_routing(vm: &Arc<VmFd>) -> Result<Arc<GsiRouter>, VmmError> {
+    let irq = Arc::new(GsiRouter::new(vm.clone())?);
+    irq.commit()?;
+    Ok(irq)
 }
 
 /// Writes the firmware (ACPI tables, reset vector), the kernel, initrd and boot structures.
@@ -299,7 +313,7 @@ fn check_address_bits(cpuid: &CpuId, node: &Node) -> Result<(), VmmError> {
 
 /// ECAM on the MMIO bus; everything else there (BARs) is unbacked and reads as all-ones.
 fn mmio_bus(pci: &Arc<Mutex<PciSegment>>) -> Result<Bus, VmmError> {
-    let mut mmio = Bus::new("mmio");
+    let mmio = Bus::new("mmio");
     mmio.insert(Arc::new(Mutex::new(Ecam(pci.clone()))), layout::ECAM_BASE, layout::ECAM_SIZE)?;
     Ok(mmio)
 }
@@ -309,8 +323,8 @@ fn port_io_bus(
     serial: Arc<Mutex<Serial>>,
     pci: &Arc<Mutex<PciSegment>>,
 ) -> Result<Bus, VmmError> {
-    let mut pio = Bus::new("pio");
-    let mut add = |dev: Arc<Mutex<dyn BusDevice>>, port: u16, len: u64| pio.insert(dev, u64::from(port), len);
+    let pio = Bus::new("pio");
+    let add = |dev: Arc<Mutex<dyn BusDevice>>, port: u16, len: u64| pio.insert(dev, u64::from(port), len);
     add(serial, COM1_PORT, u64::from(COM1_LEN))?;
     add(Arc::new(Mutex::new(DebugExit::new(signal.clone()))), DEBUG_EXIT_PORT, 1)?;
     add(Arc::new(Mutex::new(I8042::new(signal.clone()))), I8042::PORT, I8042::LEN)?;
