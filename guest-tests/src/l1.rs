@@ -29,6 +29,12 @@ pub fn run() -> u8 {
             return CANNOT_TEST;
         }
     };
+    for bdf in &jobs.vfio_bind {
+        if let Err(e) = bind_vfio(bdf) {
+            println!("{MARKER}error cannot bind L1's {bdf} to vfio-pci: {e}");
+            return CANNOT_TEST;
+        }
+    }
     println!("{MARKER}ready");
     for (i, job) in jobs.jobs.iter().enumerate() {
         println!("{MARKER}job {i} start");
@@ -51,6 +57,33 @@ pub fn run() -> u8 {
     }
     println!("{MARKER}done");
     0
+}
+
+/// Binds PCI function `bdf` to vfio-pci (driver_override, unbind, reprobe) and checks
+/// that its VFIO group node appeared.
+fn bind_vfio(bdf: &str) -> Result<(), String> {
+    let dev = Path::new("/sys/bus/pci/devices").join(bdf);
+    let write = |path: &Path, value: &str| std::fs::write(path, value).map_err(|e| format!("{}: {e}", path.display()));
+    if !dev.exists() {
+        return Err(format!("{} does not exist (is the lab's QEMU device at that address?)", dev.display()));
+    }
+    write(&dev.join("driver_override"), "vfio-pci")?;
+    if dev.join("driver").exists() {
+        write(&dev.join("driver/unbind"), bdf)?;
+    }
+    write(Path::new("/sys/bus/pci/drivers_probe"), bdf)?;
+    let driver = std::fs::read_link(dev.join("driver"))
+        .map_err(|_| "no driver bound after probing (is vfio-pci loaded?)".to_owned())?;
+    if !driver.ends_with("vfio-pci") {
+        return Err(format!("bound to {} instead", driver.display()));
+    }
+    let group =
+        std::fs::read_link(dev.join("iommu_group")).map_err(|_| "no IOMMU group (is the IOMMU on?)".to_owned())?;
+    let group = group.file_name().map(|g| g.to_string_lossy().into_owned()).unwrap_or_default();
+    if !Path::new("/dev/vfio").join(&group).exists() {
+        return Err(format!("/dev/vfio/{group} did not appear"));
+    }
+    Ok(())
 }
 
 /// The serial port on which an interactive run reports its job's status: the console

@@ -15,7 +15,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use gdrvm_images::{Initramfs, Source};
-use gdrvm_model::l1::{L1Job, L1Jobs, GDRVM_PATH, JOBS_PATH};
+use gdrvm_model::l1::{L1Job, L1Jobs, L1Lab, GDRVM_PATH, JOBS_PATH};
 use tokio::process::Command;
 
 use crate::l1::{classify, L1Line};
@@ -81,12 +81,21 @@ impl L1Config {
         cmdline
     }
 
-    /// QEMU's arguments for L1, less the console.
-    fn qemu_args(&self, kernel: &Path, initrd: &str, memory_mib: u64) -> Vec<String> {
+    /// QEMU's arguments for L1, less the console. With a `lab`, L1 is a q35 machine with
+    /// a virtual IOMMU and the lab's devices, booted with `intel_iommu=on`.
+    fn qemu_args(&self, kernel: &Path, initrd: &str, memory_mib: u64, lab: Option<&L1Lab>) -> Vec<String> {
         let threads = match self.tcg_threads {
             TcgThreads::Multi => "multi",
             TcgThreads::Single => "single",
         };
+        let mut cmdline = self.cmdline(std::env::var("GDRVM_LOG").ok().as_deref());
+        let mut machine = Vec::new();
+        if let Some(lab) = lab {
+            cmdline.push_str(" intel_iommu=on");
+            // The IOMMU first: QEMU wants it before the devices it translates for.
+            machine = ["-M", "q35", "-device", "intel-iommu,intremap=on,aw-bits=48"].map(String::from).to_vec();
+            machine.extend(lab.qemu_args.iter().cloned());
+        }
         [
             "-accel".into(),
             format!("tcg,thread={threads}"),
@@ -100,7 +109,8 @@ impl L1Config {
         .into_iter()
         .chain(["-nodefaults", "-display", "none", "-vga", "none", "-no-reboot"].map(String::from))
         .chain(["-kernel".into(), kernel.display().to_string(), "-initrd".into(), initrd.into()])
-        .chain(["-append".into(), self.cmdline(std::env::var("GDRVM_LOG").ok().as_deref())])
+        .chain(["-append".into(), cmdline])
+        .chain(machine)
         .collect()
     }
 }
@@ -135,14 +145,15 @@ impl Runner {
     /// Runs one VM in L1 with this terminal on its console; returns gdrvm's own status,
     /// which L1's agent reports on L1's second serial port.
     pub(crate) async fn run_interactive_nested(&self, spec: &VmSpec) -> Result<i32, HarnessError> {
-        let initrd = self.l1_initrd(std::slice::from_ref(spec), true)?;
+        let lab = lab_of(spec)?;
+        let initrd = self.l1_initrd(std::slice::from_ref(spec), true, lab.as_ref())?;
         let mut status = tempfile::tempfile().map_err(|e| HarnessError::Prepare(format!("a status file: {e}")))?;
         let status_path = {
             use std::os::fd::AsRawFd;
             format!("/proc/self/fd/{}", status.as_raw_fd())
         };
         let mut cmd = Command::new(QEMU_PATH);
-        cmd.args(self.l1.qemu_args(&self.artifacts.l1.kernel, &initrd.path(), initrd.memory_mib));
+        cmd.args(self.l1.qemu_args(&self.artifacts.l1.kernel, &initrd.path(), initrd.memory_mib, lab.as_ref()));
         // Ctrl-C goes to the guest; Ctrl-A x (handled by gdrvm in L1) leaves.
         cmd.args(["-chardev", "stdio,id=con,signal=off", "-serial", "chardev:con"]);
         cmd.args(["-serial", &format!("file:{status_path}")]);
@@ -162,14 +173,29 @@ impl Runner {
     /// Runs `specs` in L1, restarting L1 when it dies (each job runs again at most once),
     /// then runs again, once, guests that reset before printing anything.
     pub(crate) async fn run_nested(&self, specs: &[VmSpec]) -> Result<Vec<VmResult>, HarnessError> {
-        let mut results = self.run_nested_restarting(specs).await?;
+        // Guests whose nodes need another L1 (a lab of devices to pass through) get their
+        // own L1 boot; consecutive guests with the same needs share one.
+        let labs = specs.iter().map(lab_of).collect::<Result<Vec<_>, _>>()?;
+        let mut results = Vec::with_capacity(specs.len());
+        let mut start = 0;
+        while start < specs.len() {
+            let end = (start..specs.len()).find(|&i| labs[i] != labs[start]).unwrap_or(specs.len());
+            results.extend(self.run_nested_lab(&specs[start..end], labs[start].as_ref()).await?);
+            start = end;
+        }
+        Ok(results)
+    }
+
+    /// [`Runner::run_nested`] for guests that share one kind of L1.
+    async fn run_nested_lab(&self, specs: &[VmSpec], lab: Option<&L1Lab>) -> Result<Vec<VmResult>, HarnessError> {
+        let mut results = self.run_nested_restarting(specs, lab).await?;
         let silent: Vec<usize> = (0..results.len()).filter(|&i| results[i].silent_reset()).collect();
         if silent.is_empty() {
             return Ok(results);
         }
         let again: Vec<VmSpec> = silent.iter().map(|&i| specs[i].clone()).collect();
         tracing::warn!(jobs = ?again.iter().map(|s| &s.name).collect::<Vec<_>>(), "guests reset before printing anything; running them again in a fresh L1");
-        let rerun = self.run_nested_restarting(&again).await?;
+        let rerun = self.run_nested_restarting(&again, lab).await?;
         for (&i, mut r) in silent.iter().zip(rerun) {
             let first = results[i].tail().join("\n");
             r.console.insert(
@@ -185,13 +211,17 @@ impl Runner {
         Ok(results)
     }
 
-    async fn run_nested_restarting(&self, specs: &[VmSpec]) -> Result<Vec<VmResult>, HarnessError> {
+    async fn run_nested_restarting(
+        &self,
+        specs: &[VmSpec],
+        lab: Option<&L1Lab>,
+    ) -> Result<Vec<VmResult>, HarnessError> {
         let mut results: Vec<Option<VmResult>> = vec![None; specs.len()];
         let mut incidents: Vec<Vec<L1Incident>> = vec![Vec::new(); specs.len()];
         let mut start = 0;
         let mut boots_not_ready = 0;
         while start < specs.len() {
-            let batch = self.run_l1(&specs[start..]).await?;
+            let batch = self.run_l1(&specs[start..], lab).await?;
             for (i, r) in batch.results.into_iter().enumerate() {
                 if r.is_some() {
                     results[start + i] = r;
@@ -262,7 +292,7 @@ impl Runner {
 
     /// Writes L1's initramfs for this run into an unlinked file: the L1 image, then an
     /// archive with gdrvm, the guests' files, QEMU when a spec uses it, and the job list.
-    fn l1_initrd(&self, specs: &[VmSpec], interactive: bool) -> Result<L1Initrd, HarnessError> {
+    fn l1_initrd(&self, specs: &[VmSpec], interactive: bool, lab: Option<&L1Lab>) -> Result<L1Initrd, HarnessError> {
         let prep = |e: std::io::Error| HarnessError::Prepare(e.to_string());
         let mut files: BTreeMap<PathBuf, String> = BTreeMap::new();
         let mut guest_path = |host: &Path| -> String {
@@ -271,6 +301,7 @@ impl Runner {
         };
         let jobs = L1Jobs {
             interactive,
+            vfio_bind: lab.map(|l| l.vfio_bind.clone()).unwrap_or_default(),
             jobs: specs
                 .iter()
                 .map(|s| {
@@ -307,15 +338,16 @@ impl Runner {
         let size = file.stream_position().map_err(prep)?;
         // L1 keeps the unpacked initramfs in RAM next to the largest guest.
         let guest = specs.iter().map(VmSpec::memory_mib).max().unwrap_or(1024);
-        let memory_mib = (guest + 1024 + 2 * (size >> 20)).max(2048);
+        let extra = lab.map_or(0, |l| l.extra_memory_mib);
+        let memory_mib = (guest + 1024 + 2 * (size >> 20)).max(2048) + extra;
         Ok(L1Initrd { file, memory_mib })
     }
 
     /// One L1 boot running `specs` in order, until they are done or L1 dies.
-    async fn run_l1(&self, specs: &[VmSpec]) -> Result<L1Batch, HarnessError> {
-        let initrd = self.l1_initrd(specs, false)?;
+    async fn run_l1(&self, specs: &[VmSpec], lab: Option<&L1Lab>) -> Result<L1Batch, HarnessError> {
+        let initrd = self.l1_initrd(specs, false, lab)?;
         let mut cmd = Command::new(QEMU_PATH);
-        cmd.args(self.l1.qemu_args(&self.artifacts.l1.kernel, &initrd.path(), initrd.memory_mib));
+        cmd.args(self.l1.qemu_args(&self.artifacts.l1.kernel, &initrd.path(), initrd.memory_mib, lab));
         cmd.args(["-serial", "stdio"]).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
         let mut qemu = spawn(&mut cmd, Path::new(QEMU_PATH), &[initrd.file.as_fd()])?;
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
@@ -440,6 +472,16 @@ impl Runner {
     }
 }
 
+/// The L1 lab `spec`'s node asks for (its `[nested]` table), if any.
+fn lab_of(spec: &VmSpec) -> Result<Option<L1Lab>, HarnessError> {
+    let Some(node) = &spec.node else { return Ok(None) };
+    let text = match gdrvm_model::node::Node::preset_text(node) {
+        Some(text) if !Path::new(node).exists() => text.to_owned(),
+        _ => std::fs::read_to_string(node).map_err(|e| HarnessError::Prepare(format!("node file {node}: {e}")))?,
+    };
+    L1Lab::of_node_text(&text).map_err(|e| HarnessError::Prepare(format!("node file {node}: [nested]: {e}")))
+}
+
 /// Marks every job from `from` on that has no result as not run, for `why`.
 fn fail_rest(results: &mut [Option<VmResult>], specs: &[VmSpec], from: usize, why: &str) {
     for (r, spec) in results.iter_mut().zip(specs).skip(from).filter(|(r, _)| r.is_none()) {
@@ -486,8 +528,18 @@ mod tests {
     #[test]
     fn test_l1_qemu_args_follow_the_config() {
         let c = L1Config { tcg_threads: TcgThreads::Single, cpu: "EPYC-v4".into(), smp: 4, append: String::new() };
-        let args = c.qemu_args(Path::new("/k"), "/proc/self/fd/7", 3072).join(" ");
+        let args = c.qemu_args(Path::new("/k"), "/proc/self/fd/7", 3072, None).join(" ");
         assert!(args.starts_with("-accel tcg,thread=single -cpu EPYC-v4 -smp 4 -m 3072M "), "{args}");
         assert!(args.contains("-kernel /k -initrd /proc/self/fd/7"), "{args}");
+        assert!(!args.contains("q35") && !args.contains("intel_iommu"), "{args}");
+        let lab =
+            L1Lab { qemu_args: vec!["-device".into(), "edu,bus=lab1".into()], vfio_bind: vec![], extra_memory_mib: 64 };
+        let args = c.qemu_args(Path::new("/k"), "/i", 3072, Some(&lab)).join(" ");
+        assert!(
+            args.contains(
+                "gdrvm.l1 intel_iommu=on -M q35 -device intel-iommu,intremap=on,aw-bits=48 -device edu,bus=lab1"
+            ),
+            "{args}"
+        );
     }
 }

@@ -26,8 +26,45 @@ pub struct L1Job {
 pub struct L1Jobs {
     /// Run one job with the console attached (a person at a shell).
     pub interactive: bool,
+    /// L1's PCI functions to bind to vfio-pci before the jobs run.
+    #[serde(default)]
+    pub vfio_bind: Vec<String>,
     /// Jobs, run one after another.
     pub jobs: Vec<L1Job>,
+}
+
+/// A node's `[nested]` table: the machine L1 must be for the node's passed-through devices
+/// to exist in it. With it, L1 is a q35 machine with a virtual IOMMU (QEMU's intel-iommu,
+/// and L1's kernel booted with `intel_iommu=on`), the QEMU arguments given here add the
+/// emulated devices, and L1 binds the listed functions to vfio-pci, so that gdrvm in L1
+/// passes them to its guest with real VFIO. Which devices is data: any device QEMU emulates
+/// can be passed through the same way.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct L1Lab {
+    /// QEMU arguments for L1 (`-device`, `-netdev`, `-object` ...), in order.
+    #[serde(default)]
+    pub qemu_args: Vec<String>,
+    /// L1's PCI addresses (as L1 numbers them) to bind to vfio-pci.
+    #[serde(default)]
+    pub vfio_bind: Vec<String>,
+    /// Extra MiB of L1 RAM the devices need (memory backends of ivshmem and the like).
+    #[serde(default)]
+    pub extra_memory_mib: u64,
+}
+
+impl L1Lab {
+    /// The `[nested]` table of node-file `text`, read without checking the rest of the
+    /// node (the host running the harness does not have the devices the node names).
+    pub fn of_node_text(text: &str) -> Result<Option<L1Lab>, String> {
+        #[derive(Deserialize)]
+        struct Only {
+            nested: Option<L1Lab>,
+        }
+        toml::from_str::<Only>(text)
+            .map(|o| o.nested)
+            .map_err(|e| e.to_string().split_whitespace().collect::<Vec<_>>().join(" "))
+    }
 }
 
 /// Prefix of a job's output line: `@@<n>|`.

@@ -130,6 +130,7 @@ fn build_file(file: &NodeFile, host: &HostPci) -> Result<Node, KeyError> {
         numa,
         host_bridges,
         functions: b.functions,
+        nested: file.nested.clone(),
     };
     super::address::assign(&mut node)?;
     Ok(node)

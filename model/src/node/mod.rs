@@ -27,11 +27,18 @@ const PRESETS: &[(&str, &str)] = &[
     ("minimal", include_str!("../../presets/minimal.toml")),
     ("flat", include_str!("../../presets/flat.toml")),
     ("vela-a100", include_str!("../../presets/vela-a100.toml")),
+    ("vfio-lab", include_str!("../../presets/vfio-lab.toml")),
 ];
 
 /// Names of the shipped presets.
 pub fn preset_names() -> Vec<&'static str> {
     PRESETS.iter().map(|(n, _)| *n).collect()
+}
+
+/// Names of the presets that build on any host: those with no passed-through device
+/// (a lab preset's devices exist only in the L1 its `[nested]` table describes).
+pub fn standalone_preset_names() -> Vec<&'static str> {
+    PRESETS.iter().filter(|(_, text)| !text.contains("backing = \"vfio:")).map(|(n, _)| *n).collect()
 }
 
 /// A PCIe link generation's rate per lane.
@@ -333,6 +340,8 @@ pub struct Node {
     pub host_bridges: Vec<HostBridge>,
     /// Every PCI function, parents before children.
     pub functions: Vec<Function>,
+    /// What L1 must be in a nested run (its `[nested]` table).
+    pub nested: Option<crate::l1::L1Lab>,
 }
 
 impl Node {
@@ -346,6 +355,11 @@ impl Node {
     /// A shipped preset by name.
     pub fn preset(name: &str) -> Option<Result<Node, NodeError>> {
         PRESETS.iter().find(|(n, _)| *n == name).map(|(n, text)| Node::parse(&format!("preset {n}"), text))
+    }
+
+    /// The text of a shipped preset.
+    pub fn preset_text(name: &str) -> Option<&'static str> {
+        PRESETS.iter().find(|(n, _)| *n == name).map(|(_, text)| *text)
     }
 
     /// A preset name, or else a path to a node file.

@@ -19,6 +19,8 @@ pub struct NodeFile {
     pub switch: Vec<SwitchEntry>,
     #[serde(default)]
     pub endpoint: Vec<EndpointEntry>,
+    /// What a nested run's L1 needs for this node (emulated devices to pass through).
+    pub nested: Option<crate::l1::L1Lab>,
 }
 
 /// `[[numa]]`: one NUMA node; its index is its id.

@@ -142,7 +142,7 @@ fn check_addresses(node: &Node) {
 
 #[test]
 fn test_addresses_nest_and_align() {
-    for name in preset_names() {
+    for name in standalone_preset_names() {
         let node = preset(name);
         check_addresses(&node);
         check_addresses(&node.scaled(Some(2), Some(1 << 30)).unwrap());
@@ -248,7 +248,7 @@ fn test_more_than_256_buses() {
 fn test_resolve_names_presets_when_nothing_matches() {
     assert_eq!(Node::resolve("minimal").unwrap().name, "minimal");
     let e = Node::resolve("/no/such/node.toml").unwrap_err().to_string();
-    assert_eq!(e, "/no/such/node.toml: no such node file, and not a preset (minimal, flat, vela-a100)");
+    assert_eq!(e, "/no/such/node.toml: no such node file, and not a preset (minimal, flat, vela-a100, vfio-lab)");
 }
 
 #[test]
@@ -289,7 +289,7 @@ fn test_qemu_accepts_qemu_args() {
         eprintln!("SKIP test_qemu_accepts_qemu_args: qemu-system-x86_64 not installed");
         return;
     }
-    for name in preset_names() {
+    for name in standalone_preset_names() {
         let text = preset(name).scaled(Some(2), Some(1 << 30)).unwrap().qemu_args();
         let args: Vec<String> = text
             .lines()
@@ -310,5 +310,35 @@ fn test_qemu_accepts_qemu_args() {
             err.lines().filter(|l| !l.contains("terminating on signal") && !l.contains("has no peer")).collect();
         assert!(errors.is_empty(), "{name}: {errors:?}\n{text}");
         assert_eq!(out.status.code(), Some(124), "{name}: QEMU exited early: {err}");
+    }
+}
+
+/// A lab preset's L1 binds exactly the devices its endpoints pass through, and the presets
+/// that need no lab say so.
+#[test]
+fn test_lab_presets_bind_what_they_pass_through() {
+    let lab_presets: Vec<&str> =
+        preset_names().into_iter().filter(|n| !standalone_preset_names().contains(n)).collect();
+    assert_eq!(lab_presets, ["vfio-lab"]);
+    for name in lab_presets {
+        let text = Node::preset_text(name).unwrap();
+        let lab = crate::l1::L1Lab::of_node_text(text).unwrap().expect("a [nested] table");
+        let file: schema::NodeFile = toml::from_str(text).unwrap();
+        let mut passed: Vec<String> = file
+            .endpoint
+            .iter()
+            .filter_map(|e| match e.backing.parse() {
+                Ok(Backing::Vfio(bdf)) => Some(bdf.to_string()),
+                _ => None,
+            })
+            .collect();
+        passed.sort();
+        let mut bound = lab.vfio_bind.clone();
+        bound.sort();
+        assert_eq!(passed, bound, "{name}");
+        assert!(lab.qemu_args.iter().any(|a| a.starts_with("edu,")), "{name}");
+    }
+    for name in standalone_preset_names() {
+        assert_eq!(crate::l1::L1Lab::of_node_text(Node::preset_text(name).unwrap()).unwrap(), None, "{name}");
     }
 }

@@ -36,7 +36,10 @@ fn test_broken_l1_image_ends_cannot_test_with_the_reason() {
     let results = rt.block_on(runner.run(std::slice::from_ref(&spec))).expect("the runner returns results");
     let r = &results[0];
     let dump = format!("{:?}\n{}", r.outcome, r.console.join("\n"));
-    assert!(matches!(&r.outcome, VmOutcome::CannotRun(why) if why.contains("L1 did not get ready twice in a row")), "{dump}");
+    assert!(
+        matches!(&r.outcome, VmOutcome::CannotRun(why) if why.contains("L1 did not get ready twice in a row")),
+        "{dump}"
+    );
     assert_eq!(r.exit_code(), exit::CANNOT_TEST, "{dump}");
     // Both boots are on record, each a kernel panic with the kernel's own words.
     assert_eq!(r.l1_incidents.len(), 2, "{dump}");
