@@ -28,7 +28,7 @@ pub use i8042::I8042;
 pub use pci::regs as pci_regs;
 pub use pci::{
     BarChange, BarInfo, BarMapping, ConfigOwnership, ConfigWriteEffects, DeviceError, Fire, MsiCapability, MsiEvent,
-    MsiMessage, MsixControl, MsixEvent, MsixTable, Owner, PciDevice, MSIX_MAX_VECTORS, MSI_MAX_VECTORS,
+    MsiMessage, MsixControl, MsixEvent, MsixLayout, MsixTable, Owner, PciDevice, MSIX_MAX_VECTORS, MSI_MAX_VECTORS,
 };
 pub use serial::{Serial, SerialInput, COM1_IRQ, COM1_LEN, COM1_PORT};
 pub use sleep::{

@@ -13,7 +13,7 @@ use gdrvm_model::node::Node;
 
 fn ecam_dispatch(c: &mut Criterion) {
     let node = Node::preset("vela-a100").and_then(Result::ok).expect("the vela-a100 preset is valid");
-    let segment = Arc::new(Mutex::new(PciSegment::new(&node)));
+    let segment = Arc::new(PciSegment::new(&node));
     let bus = Bus::new("mmio");
     bus.insert(Arc::new(Mutex::new(Ecam(segment))), ECAM_BASE, ECAM_SIZE).expect("ECAM fits an empty bus");
     // gpu7 at 19:00.0: its link status register, and its BAR1 (sizing writes).

@@ -13,6 +13,7 @@ pub mod machine;
 pub mod memory;
 pub mod pci;
 pub mod vcpu;
+pub mod wiring;
 
 pub use config::{parse_size, ConfigError, VmConfig};
 pub use machine::{run, ConsoleOptions, Outcome, RunReport, VmmError};

@@ -31,7 +31,7 @@ use crate::cpu_topology::CpuPlace;
 use crate::irq::{GsiRouter, IrqError};
 use crate::pci::{ConfigIo, Ecam, PciSegment, CONFIG_IO_LEN, CONFIG_IO_PORT};
 use crate::vcpu::{self, ExitContext, VcpuError};
-use crate::{acpi, bios, boot, cpu_topology, initrd, memory};
+use crate::{acpi, bios, boot, cpu_topology, initrd, memory, wiring};
 
 /// Errors that stop a VM from being built or run.
 #[derive(Debug, thiserror::Error)]
@@ -57,6 +57,9 @@ pub enum VmmError {
     /// The kernel could not be loaded.
     #[error(transparent)]
     Boot(#[from] boot::BootError),
+    /// The devices behind the node's functions could not be set up.
+    #[error(transparent)]
+    Wiring(#[from] wiring::WiringError),
     /// The firmware tables could not be written.
     #[error(transparent)]
     Acpi(#[from] acpi::AcpiError),
@@ -159,7 +162,9 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
     let supported_cpuid =
         kvm_sys.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(kvm("read the supported CPUID"))?;
     check_address_bits(&supported_cpuid, &config.node)?;
-    let pci = Arc::new(Mutex::new(PciSegment::new(&config.node)));
+    let mmio = Arc::new(Bus::new("mmio"));
+    // Dropped when `run` returns, whatever the path: BARs leave the guest, devices reset.
+    let (pci, _devices) = wire_devices(config, &vm, &mmio, &irq, &ram.memory)?;
     let cpus = cpu_topology::layout(config.cpus, &config.node.numa);
     let entry = load_guest(&ram.memory, config, &cpus, initrd.as_deref())?;
     tracing::debug!(elapsed = ?started.elapsed(), "kernel, initrd and firmware loaded");
@@ -175,7 +180,7 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
     )));
     let ctx = ExitContext {
         pio: Arc::new(port_io_bus(&signal, serial.clone(), &pci)?),
-        mmio: Arc::new(mmio_bus(&pci)?),
+        mmio,
         signal: signal.clone(),
         stop: Arc::new(AtomicBool::new(false)),
     };
@@ -311,17 +316,38 @@ fn check_address_bits(cpuid: &CpuId, node: &Node) -> Result<(), VmmError> {
     Ok(())
 }
 
-/// ECAM on the MMIO bus; everything else there (BARs) is unbacked and reads as all-ones.
-fn mmio_bus(pci: &Arc<Mutex<PciSegment>>) -> Result<Bus, VmmError> {
-    let mmio = Bus::new("mmio");
+/// The devices behind the node's functions and the PCI segment that reaches them, with
+/// ECAM on the MMIO bus. BARs of functions with nothing behind them stay unbacked (they
+/// read as all-ones); the others are placed as the guest programs them, starting where
+/// firmware would leave them.
+fn wire_devices(
+    config: &VmConfig,
+    vm: &Arc<VmFd>,
+    mmio: &Arc<Bus>,
+    irq: &Arc<GsiRouter>,
+    ram: &vm_memory::GuestMemoryMmap,
+) -> Result<(Arc<PciSegment>, Arc<wiring::DeviceWiring>), VmmError> {
+    let parts = wiring::MachineParts { memory: vm.clone(), mmio: mmio.clone(), irq: irq.clone() };
+    let mut regions = Vec::new();
+    for region in ram.iter() {
+        let host = ram
+            .get_host_address(region.start_addr())
+            .map_err(|source| VmmError::GuestMemory { what: "find the host mapping of guest RAM", source })?;
+        regions.push((region.start_addr().0, host as u64, region.len()));
+    }
+    let (devices, functions) = wiring::DeviceWiring::new(&config.node, parts, &regions, &wiring::open_backing)?;
+    let pci = Arc::new(PciSegment::with_functions(&config.node, functions));
+    let sink: Arc<dyn crate::pci::ApplyEffects> = devices.clone();
+    pci.set_effects(Arc::downgrade(&sink));
     mmio.insert(Arc::new(Mutex::new(Ecam(pci.clone()))), layout::ECAM_BASE, layout::ECAM_SIZE)?;
-    Ok(mmio)
+    devices.start(&config.node, &pci);
+    Ok((pci, devices))
 }
 
 fn port_io_bus(
     signal: &Arc<GuestExitSignal>,
     serial: Arc<Mutex<Serial>>,
-    pci: &Arc<Mutex<PciSegment>>,
+    pci: &Arc<PciSegment>,
 ) -> Result<Bus, VmmError> {
     let pio = Bus::new("pio");
     let add = |dev: Arc<Mutex<dyn BusDevice>>, port: u16, len: u64| pio.insert(dev, u64::from(port), len);

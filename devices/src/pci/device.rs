@@ -10,6 +10,8 @@ use std::fs::File;
 use std::ops::Range;
 use std::sync::Arc;
 
+use vmm_sys_util::eventfd::EventFd;
+
 /// A PCI function's backend: an emulated device, a VFIO device, a vfio-user server.
 pub trait PciDevice: Send {
     /// Reads device-owned configuration bytes at register `reg` (the VMM asks only for
@@ -25,10 +27,34 @@ pub trait PciDevice: Send {
     fn bars(&self) -> Vec<BarInfo> {
         Vec::new()
     }
+    /// Where the device's MSI-X table and pending bits are, if it has MSI-X: the VMM
+    /// emulates the table there (for every device kind alike) and traps those pages.
+    fn msix(&self) -> Option<MsixLayout> {
+        None
+    }
+    /// Connects the device's MSI-X vectors to `vectors` (one eventfd per vector, in
+    /// order), or disconnects them (`None`), as the guest enables or disables MSI-X.
+    fn connect_msix(&mut self, vectors: Option<&[&EventFd]>) -> Result<(), DeviceError> {
+        let _ = vectors;
+        Ok(())
+    }
     /// Resets the device (FLR or its own reset) before the guest starts and after it stops.
     fn reset(&mut self) -> Result<(), DeviceError> {
         Ok(())
     }
+}
+
+/// Where a device's MSI-X structures are (from its MSI-X capability).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MsixLayout {
+    /// Offset of the MSI-X capability in configuration space.
+    pub cap: usize,
+    /// Number of vectors.
+    pub vectors: u16,
+    /// BAR holding the table, and the table's offset in it.
+    pub table: (u8, u64),
+    /// BAR holding the pending-bit array, and its offset in it.
+    pub pba: (u8, u64),
 }
 
 /// One memory BAR a device offers.
@@ -70,6 +96,15 @@ pub enum DeviceError {
     /// The device could not be reset.
     #[error("the device could not be reset")]
     Reset(#[source] std::io::Error),
+    /// The device's interrupts could not be connected or disconnected.
+    #[error("the device's interrupts could not be {what}")]
+    Interrupts {
+        /// What was being done ("connected", "disconnected").
+        what: &'static str,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 #[cfg(test)]

@@ -95,6 +95,29 @@ impl ConfigSpace {
         c
     }
 
+    /// The VMM's image of a passed-through function `i` of `node`: the BAR registers, at
+    /// the addresses the model assigned (the device's own are host addresses the guest must
+    /// never see), no expansion ROM, and shadows of the registers the VMM must watch but
+    /// the device answers (command; MSI-X control at `msix_cap`). Decode starts off, as
+    /// after the device's reset; the wiring turns it on as firmware would.
+    pub fn for_passthrough(node: &Node, i: usize, msix_cap: Option<usize>) -> Self {
+        let f = &node.functions[i];
+        let mut c = ConfigSpace::empty();
+        c.mask16(PCI_COMMAND, COMMAND_WRITABLE);
+        for bar in &f.bars {
+            c.bar(bar);
+        }
+        if let Some(cap) = msix_cap.filter(|c| c + PCI_MSIX_PBA <= PCI_CFG_SPACE_SIZE) {
+            c.mask16(cap + PCI_MSIX_FLAGS, PCI_MSIX_FLAGS_ENABLE | PCI_MSIX_FLAGS_MASKALL);
+        }
+        c
+    }
+
+    /// The configuration bytes the VMM holds (for comparing before and after a write).
+    pub fn bytes(&self) -> &[u8] {
+        &self.bytes[..]
+    }
+
     /// Reads `data.len()` bytes at `offset`; all-ones beyond the space.
     pub fn read(&self, offset: usize, data: &mut [u8]) {
         match self.bytes.get(offset..offset.saturating_add(data.len())) {

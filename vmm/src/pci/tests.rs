@@ -9,8 +9,8 @@ fn minimal() -> Node {
     Node::preset("minimal").unwrap().unwrap()
 }
 
-fn segment() -> Arc<Mutex<PciSegment>> {
-    Arc::new(Mutex::new(PciSegment::new(&minimal())))
+fn segment() -> Arc<PciSegment> {
+    Arc::new(PciSegment::new(&minimal()))
 }
 
 /// ECAM offset of bus/device/function/register.
@@ -78,7 +78,7 @@ fn test_bar_sizing_and_relocation() {
 #[test]
 fn test_bridge_buses_and_windows() {
     let node = minimal();
-    let mut e = Ecam(Arc::new(Mutex::new(PciSegment::new(&node))));
+    let mut e = Ecam(Arc::new(PciSegment::new(&node)));
     let rp = |reg| ecam(0, 1, 0, reg);
     assert_eq!(read32(&mut e, rp(0x0c)) >> 16 & 0x7f, 1, "type 1 header");
     assert_eq!(read32(&mut e, rp(0x18)) & 0xff_ffff, 0x04_01_00, "primary 0, secondary 1, subordinate 4");
@@ -222,7 +222,7 @@ fn test_guest_garbage_never_panics() {
 #[test]
 fn test_acs_control_as_the_node_sets_it() {
     let vela = Node::preset("vela-a100").unwrap().unwrap();
-    let mut e = Ecam(Arc::new(Mutex::new(PciSegment::new(&vela))));
+    let mut e = Ecam(Arc::new(PciSegment::new(&vela)));
     // sw0.down0 at 02:00.0: request and completion redirect, upstream forwarding.
     let ctrl = find_ext_capability(&mut e, 2, 0, PCI_EXT_CAP_ID_ACS) + PCI_ACS_CTRL;
     assert_eq!(read16(&mut e, ecam(2, 0, 0, ctrl)), 0x001c);

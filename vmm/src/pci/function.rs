@@ -1,0 +1,86 @@
+//! One PCI function as the guest reaches it: the VMM's configuration space, and, when a
+//! device stands behind the function, that device with the split of the configuration
+//! bytes between the two. A configuration write updates the VMM's image of every byte (its
+//! write mask keeps what the VMM does not let change), passes the device its own bytes, and
+//! returns what the write meant for the machine; the caller applies that after releasing
+//! the function's lock.
+
+use std::sync::{Arc, Mutex};
+
+use gdrvm_devices::{lock, BarInfo, ConfigOwnership, ConfigWriteEffects, Owner, PciDevice};
+
+use super::config::{ConfigSpace, CONFIG_SPACE_SIZE};
+
+/// The device behind a function.
+pub struct Backend {
+    /// The device.
+    pub device: Arc<Mutex<dyn PciDevice>>,
+    /// Which configuration bytes the VMM answers and which the device does.
+    pub ownership: ConfigOwnership,
+    /// Its memory BARs, as the device describes them.
+    pub bars: Vec<BarInfo>,
+    /// Where its MSI-X capability is, if it has one (the VMM watches its control word).
+    pub msix_cap: Option<usize>,
+}
+
+/// A function of the segment.
+pub struct PciFunction {
+    config: ConfigSpace,
+    backend: Option<Backend>,
+}
+
+impl PciFunction {
+    /// A function answered by the VMM alone (bridges, and endpoints with nothing behind them).
+    pub fn hollow(config: ConfigSpace) -> Self {
+        PciFunction { config, backend: None }
+    }
+
+    /// A function with `backend` behind it; `config` is the VMM's part.
+    pub fn backed(config: ConfigSpace, backend: Backend) -> Self {
+        PciFunction { config, backend: Some(backend) }
+    }
+
+    /// Reads `data.len()` bytes at `reg`: each byte from its owner.
+    pub fn read(&self, reg: usize, data: &mut [u8]) {
+        let Some(backend) = &self.backend else { return self.config.read(reg, data) };
+        if reg.saturating_add(data.len()) > CONFIG_SPACE_SIZE {
+            return data.fill(0xff);
+        }
+        for (owner, run) in backend.ownership.split(reg, data.len()) {
+            let at = reg + run.start;
+            match owner {
+                Owner::Vmm => self.config.read(at, &mut data[run]),
+                Owner::Device => lock(&backend.device).config_read(at, &mut data[run]),
+            }
+        }
+    }
+
+    /// Writes `data` at `reg` and returns what the write changed for the machine.
+    pub fn write(&mut self, reg: usize, data: &[u8]) -> ConfigWriteEffects {
+        let Some(backend) = &self.backend else {
+            self.config.write(reg, data);
+            return ConfigWriteEffects::default();
+        };
+        if reg.saturating_add(data.len()) > CONFIG_SPACE_SIZE {
+            return ConfigWriteEffects::default();
+        }
+        let before = self.config.bytes().to_vec();
+        self.config.write(reg, data);
+        for (owner, run) in backend.ownership.split(reg, data.len()) {
+            if owner == Owner::Device {
+                lock(&backend.device).config_write(reg + run.start, &data[run]);
+            }
+        }
+        ConfigWriteEffects::between(&before, self.config.bytes(), &backend.bars, backend.msix_cap)
+    }
+
+    /// The device behind the function, if any.
+    pub fn backend(&self) -> Option<&Backend> {
+        self.backend.as_ref()
+    }
+
+    /// The VMM's image of the configuration space.
+    pub fn config(&self) -> &ConfigSpace {
+        &self.config
+    }
+}

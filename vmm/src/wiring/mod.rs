@@ -1,0 +1,326 @@
+//! Device wiring: the devices behind the node's PCI functions (from each endpoint's
+//! `backing`), and what their configuration writes mean for the machine. It places BARs
+//! (trapped on the MMIO bus, or device memory in KVM memory slots), moves them when the
+//! guest does, removes them when decode goes off, keeps the DMA space (guest RAM and every
+//! mapped BAR) in step, and connects MSI-X. `machine.rs` only calls it.
+
+mod bars;
+mod memslots;
+mod msix;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use gdrvm_devices::pci_regs::{PCI_COMMAND, PCI_COMMAND_MEMORY};
+use gdrvm_devices::{
+    lock, BarInfo, BarMapping, Bus, ConfigOwnership, ConfigWriteEffects, DeviceId, DmaRegion, DmaSpace, DmaTarget,
+    Owner, PciDevice,
+};
+use gdrvm_model::node::{Backing, Node};
+
+use crate::irq::{GsiRouter, IrqError};
+use crate::pci::{ApplyEffects, Backend, ConfigSpace, PciFunction, PciSegment};
+use bars::{split, BarTrap};
+use memslots::{DeviceMemory, MemorySlots};
+use msix::MsixState;
+
+pub use memslots::{MemorySink, MemslotError};
+
+/// KVM memory slots gdrvm may use (KVM offers at least 509 on x86).
+const KVM_SLOTS: u32 = 509;
+/// Configuration registers of a passed-through function the VMM answers: the BARs (the
+/// device's are host addresses) and the expansion ROM (none is offered).
+const VMM_OWNED: [std::ops::Range<usize>; 2] = [0x10..0x28, 0x30..0x34];
+
+/// Errors wiring devices; each names the function.
+#[derive(Debug, thiserror::Error)]
+pub enum WiringError {
+    /// A backing cannot be opened.
+    #[error("{function}: {reason}")]
+    Backing {
+        /// The function's key in the node file.
+        function: String,
+        /// Why.
+        reason: String,
+    },
+    /// Device memory cannot be mapped.
+    #[error("{function}: BAR {bar}: {source}")]
+    Memory {
+        /// The function's key.
+        function: String,
+        /// The BAR.
+        bar: u8,
+        /// Why.
+        #[source]
+        source: MemslotError,
+    },
+    /// Interrupt vectors cannot be set up.
+    #[error("{function}: {source}")]
+    Irq {
+        /// The function's key.
+        function: String,
+        /// Why.
+        #[source]
+        source: IrqError,
+    },
+}
+
+/// One BAR as the guest has placed it.
+struct Placed {
+    address: u64,
+    traps: Vec<u64>,
+    slots: Vec<(u32, u64)>,
+    dma: Vec<u64>,
+}
+
+/// A function with a device behind it.
+struct Wired {
+    key: String,
+    id: DeviceId,
+    device: Arc<Mutex<dyn PciDevice>>,
+    bars: Vec<BarInfo>,
+    memory: BTreeMap<u8, DeviceMemory>,
+    placed: BTreeMap<u8, Placed>,
+    msix: Option<Arc<MsixState>>,
+}
+
+/// What wiring needs of the machine.
+pub struct MachineParts {
+    /// KVM's memory slots (the VM).
+    pub memory: Arc<dyn MemorySink>,
+    /// The MMIO bus the vCPUs dispatch on.
+    pub mmio: Arc<Bus>,
+    /// The GSI routing table's owner.
+    pub irq: Arc<GsiRouter>,
+}
+
+/// The devices behind the node's functions.
+pub struct DeviceWiring {
+    parts: MachineParts,
+    slots: MemorySlots,
+    dma: Mutex<DmaSpace>,
+    wired: BTreeMap<usize, Mutex<Wired>>,
+}
+
+/// A device opened for a function: the device, and its DMA target (what it reaches of
+/// guest memory), when it does DMA.
+pub struct Opened {
+    /// The device.
+    pub device: Arc<Mutex<dyn PciDevice>>,
+    /// Its DMA target (a VFIO container, a vfio-user server).
+    pub dma: Option<Box<dyn DmaTarget>>,
+}
+
+/// Opens the device an endpoint's backing names.
+pub type OpenBacking<'a> = dyn Fn(&Node, usize) -> Result<Option<Opened>, String> + 'a;
+
+/// Opens the backing of function `i` of `node`.
+pub fn open_backing(node: &Node, i: usize) -> Result<Option<Opened>, String> {
+    match node.functions[i].backing {
+        Backing::None => Ok(None),
+        Backing::Vfio(bdf) => Err(format!("cannot pass through {bdf}: VFIO passthrough is not in this build yet")),
+    }
+}
+
+impl DeviceWiring {
+    /// Opens every function's backing with `open` and returns the wiring and the functions
+    /// of the PCI segment, in the node's order. Guest RAM (`ram`: guest address, host
+    /// address, size) is the DMA space's first content.
+    pub fn new(
+        node: &Node,
+        parts: MachineParts,
+        ram: &[(u64, u64, u64)],
+        open: &OpenBacking<'_>,
+    ) -> Result<(Arc<DeviceWiring>, Vec<PciFunction>), WiringError> {
+        let mut dma = DmaSpace::new();
+        for &(gpa, host, size) in ram {
+            let region = DmaRegion { iova: gpa, size, host_addr: host, fd: None, owner: None };
+            if let Err(e) = dma.add_region(region) {
+                tracing::warn!("DMA space: guest RAM at {gpa:#x}: {e}");
+            }
+        }
+        let mut functions = Vec::with_capacity(node.functions.len());
+        let mut wired = BTreeMap::new();
+        for (i, f) in node.functions.iter().enumerate() {
+            let opened = match f.backing {
+                Backing::None => None,
+                Backing::Vfio(_) => {
+                    open(node, i).map_err(|reason| WiringError::Backing { function: f.key.clone(), reason })?
+                }
+            };
+            let Some(Opened { device, dma: target }) = opened else {
+                functions.push(PciFunction::hollow(ConfigSpace::for_function(node, i)));
+                continue;
+            };
+            let id = DeviceId(i as u32);
+            if let Some(target) = target {
+                // Every device may reach the others' BARs (peer-to-peer), as on a host
+                // whose switches route P2P.
+                dma.add_target(id, target, true)
+                    .map_err(|e| WiringError::Backing { function: f.key.clone(), reason: format!("DMA: {e}") })?;
+            }
+            let (bars, layout) = {
+                let d = lock(&device);
+                (d.bars(), d.msix())
+            };
+            let mut ownership = ConfigOwnership::new(Owner::Device);
+            for regs in VMM_OWNED {
+                ownership.assign(regs, Owner::Vmm);
+            }
+            let msix = layout
+                .map(|l| MsixState::new(l, device.clone(), parts.irq.clone()).map(Arc::new))
+                .transpose()
+                .map_err(|source| WiringError::Irq { function: f.key.clone(), source })?;
+            let mut memory = BTreeMap::new();
+            for bar in &bars {
+                if let BarMapping::Mapped { fd, offset, .. } = &bar.mapping {
+                    let mem = DeviceMemory::map(fd.as_ref(), *offset, bar.size)
+                        .map_err(|source| WiringError::Memory { function: f.key.clone(), bar: bar.index, source })?;
+                    memory.insert(bar.index, mem);
+                }
+            }
+            let backend =
+                Backend { device: device.clone(), ownership, bars: bars.clone(), msix_cap: layout.map(|l| l.cap) };
+            functions.push(PciFunction::backed(ConfigSpace::for_passthrough(node, i, backend.msix_cap), backend));
+            let w = Wired { key: f.key.clone(), id, device, bars, memory, placed: BTreeMap::new(), msix };
+            wired.insert(i, Mutex::new(w));
+        }
+        let slots = MemorySlots::new(parts.memory.clone(), KVM_SLOTS);
+        Ok((Arc::new(DeviceWiring { parts, slots, dma: Mutex::new(dma), wired }), functions))
+    }
+
+    /// Resets every device, then turns on memory decode of every function with a device
+    /// behind it, as firmware leaves the devices it assigned addresses to: their BARs are
+    /// placed where the model put them.
+    pub fn start(&self, node: &Node, pci: &PciSegment) {
+        self.reset_devices();
+        for &i in self.wired.keys() {
+            let bdf = node.functions[i].bdf;
+            let devfn = bdf.device << 3 | bdf.function;
+            pci.write(bdf.bus, devfn, PCI_COMMAND, &PCI_COMMAND_MEMORY.to_le_bytes());
+        }
+    }
+
+    /// The DMA space, for DMA targets (a VFIO container) to join.
+    pub fn dma(&self) -> &Mutex<DmaSpace> {
+        &self.dma
+    }
+
+    /// Resets every device (before the guest starts and after it stops).
+    pub fn reset_devices(&self) {
+        for w in self.wired.values() {
+            let w = lock(w);
+            let result = lock(&w.device).reset();
+            if let Err(e) = result {
+                tracing::warn!("{}: {e}", w.key);
+            }
+        }
+    }
+
+    /// Places BAR `index` of `w` at `address`.
+    fn place(&self, w: &mut Wired, index: u8, address: u64) {
+        let Some(bar) = w.bars.iter().find(|b| b.index == index).cloned() else { return };
+        let mut placed = Placed { address, traps: Vec::new(), slots: Vec::new(), dma: Vec::new() };
+        let mut holes = match &bar.mapping {
+            BarMapping::Mapped { holes, .. } => holes.clone(),
+            BarMapping::Trapped => std::iter::once(0..bar.size).collect(),
+        };
+        if let Some(m) = &w.msix {
+            for (b, start, len) in
+                [(m.layout.table.0, m.layout.table.1, m.table_len()), (m.layout.pba.0, m.layout.pba.1, m.pba_len())]
+            {
+                if b == index {
+                    holes.push(start..start + len);
+                }
+            }
+        }
+        let memory = w.memory.get(&index);
+        for (trapped, run) in split(bar.size, &holes) {
+            let gpa = address + run.start;
+            let len = run.end - run.start;
+            match (trapped, memory) {
+                (false, Some(mem)) => match self.slots.add(gpa, mem.host_addr(run.start), len) {
+                    Ok(slot) => {
+                        placed.slots.push((slot, gpa));
+                        let region = DmaRegion {
+                            iova: gpa,
+                            size: len,
+                            host_addr: mem.host_addr(run.start),
+                            fd: None,
+                            owner: Some(w.id),
+                        };
+                        match lock(&self.dma).add_region(region) {
+                            Ok(()) => placed.dma.push(gpa),
+                            Err(e) => tracing::warn!("{}: BAR {index} at {gpa:#x}: DMA space: {e}", w.key),
+                        }
+                    }
+                    Err(e) => tracing::warn!("{}: BAR {index}: {e}", w.key),
+                },
+                _ => {
+                    let trap = BarTrap { device: w.device.clone(), bar: index, start: run.start, msix: w.msix.clone() };
+                    match self.parts.mmio.insert(Arc::new(Mutex::new(trap)), gpa, len) {
+                        Ok(()) => placed.traps.push(gpa),
+                        Err(e) => tracing::warn!("{}: BAR {index} at {gpa:#x}: {e}", w.key),
+                    }
+                }
+            }
+        }
+        tracing::debug!(function = %w.key, bar = index, address = format_args!("{address:#x}"), "BAR placed");
+        w.placed.insert(index, placed);
+    }
+
+    /// Removes BAR `index` of `w` from the guest.
+    fn unplace(&self, w: &mut Wired, index: u8) {
+        let Some(placed) = w.placed.remove(&index) else { return };
+        for gpa in placed.dma {
+            if let Err(e) = lock(&self.dma).remove_region(Some(w.id), gpa) {
+                tracing::warn!("{}: BAR {index}: DMA space: {e}", w.key);
+            }
+        }
+        for (slot, gpa) in placed.slots {
+            if let Err(e) = self.slots.remove(slot, gpa) {
+                tracing::warn!("{}: BAR {index}: {e}", w.key);
+            }
+        }
+        for base in placed.traps {
+            if let Err(e) = self.parts.mmio.remove(base) {
+                tracing::warn!("{}: BAR {index}: {e}", w.key);
+            }
+        }
+        tracing::debug!(function = %w.key, bar = index, address = format_args!("{:#x}", placed.address), "BAR removed");
+    }
+}
+
+impl ApplyEffects for DeviceWiring {
+    fn apply(&self, function: usize, effects: ConfigWriteEffects) {
+        let Some(w) = self.wired.get(&function) else { return };
+        let mut w = lock(w);
+        for change in &effects.bars {
+            if change.from.is_some() {
+                self.unplace(&mut w, change.index);
+            }
+            if let Some(to) = change.to {
+                self.place(&mut w, change.index, to);
+            }
+        }
+        if let (Some(control), Some(m)) = (effects.msix, &w.msix) {
+            m.control(control);
+        }
+    }
+}
+
+impl Drop for DeviceWiring {
+    fn drop(&mut self) {
+        for w in self.wired.values() {
+            let mut w = lock(w);
+            let placed: Vec<u8> = w.placed.keys().copied().collect();
+            for index in placed {
+                self.unplace(&mut w, index);
+            }
+        }
+        self.reset_devices();
+    }
+}
+
+#[cfg(test)]
+mod tests;

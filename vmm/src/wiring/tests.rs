@@ -1,0 +1,255 @@
+//! The wiring driven as a guest drives it, against a fake device, fake KVM memory slots
+//! and a fake GSI routing table: BARs placed where firmware leaves them, moved, removed
+//! with decode, device memory in the DMA space, MSI-X table writes becoming routes.
+
+use std::sync::{Arc, Mutex};
+
+use gdrvm_devices::pci_regs::*;
+use gdrvm_devices::{
+    lock, BarInfo, BarMapping, Bus, DeviceError, DeviceId, DmaError, DmaRegion, DmaTarget, MsixLayout, PciDevice,
+};
+use gdrvm_model::host_pci::HostBdf;
+use gdrvm_model::node::{Backing, Node};
+use kvm_bindings::{kvm_irq_routing_entry, kvm_userspace_memory_region, KVM_IRQ_ROUTING_MSI};
+use vmm_sys_util::eventfd::EventFd;
+
+use super::*;
+use crate::irq::{GsiRouter, IrqError, RoutingSink};
+use crate::pci::{Ecam, PciSegment};
+
+/// What the fakes saw.
+#[derive(Default)]
+struct Seen {
+    slots: Vec<kvm_userspace_memory_region>,
+    routes: Vec<Vec<kvm_irq_routing_entry>>,
+    config_writes: Vec<(usize, Vec<u8>)>,
+    bar_reads: Vec<(u8, u64)>,
+    connected: Vec<Option<usize>>,
+    dma: Vec<(bool, u64, u64)>,
+}
+
+type Shared = Arc<Mutex<Seen>>;
+
+struct FakeKvm(Shared);
+
+impl MemorySink for FakeKvm {
+    unsafe fn set_region(&self, region: kvm_userspace_memory_region) -> Result<(), kvm_ioctls::Error> {
+        lock(&self.0).slots.push(region);
+        Ok(())
+    }
+}
+
+impl RoutingSink for FakeKvm {
+    fn max_routes(&self) -> usize {
+        4096
+    }
+    fn set_gsi_routing(&self, entries: &[kvm_irq_routing_entry]) -> Result<(), IrqError> {
+        lock(&self.0).routes.push(entries.to_vec());
+        Ok(())
+    }
+    fn register_irqfd(&self, _: &EventFd, _: u32) -> Result<(), IrqError> {
+        Ok(())
+    }
+    fn register_irqfd_with_resample(&self, _: &EventFd, _: &EventFd, _: u32) -> Result<(), IrqError> {
+        Ok(())
+    }
+    fn unregister_irqfd(&self, _: &EventFd, _: u32) -> Result<(), IrqError> {
+        Ok(())
+    }
+}
+
+struct FakeDma(Shared);
+
+impl DmaTarget for FakeDma {
+    fn map(&mut self, r: &DmaRegion) -> Result<(), DmaError> {
+        lock(&self.0).dma.push((true, r.iova, r.size));
+        Ok(())
+    }
+    fn unmap(&mut self, iova: u64, size: u64) -> Result<(), DmaError> {
+        lock(&self.0).dma.push((false, iova, size));
+        Ok(())
+    }
+}
+
+/// minimal's NIC VF with: BAR0 2 MiB of device memory (a memfd), MSI-X (4 vectors) in
+/// its first page.
+struct FakeNic {
+    seen: Shared,
+    memory: Arc<std::fs::File>,
+}
+
+const MSIX: MsixLayout = MsixLayout { cap: 0x70, vectors: 4, table: (0, 0), pba: (0, 0x800) };
+
+impl PciDevice for FakeNic {
+    fn config_read(&mut self, _reg: usize, data: &mut [u8]) {
+        data.fill(0);
+    }
+    fn config_write(&mut self, reg: usize, data: &[u8]) {
+        lock(&self.seen).config_writes.push((reg, data.to_vec()));
+    }
+    fn bar_read(&mut self, bar: u8, offset: u64, data: &mut [u8]) {
+        lock(&self.seen).bar_reads.push((bar, offset));
+        data.fill(0x5a);
+    }
+    fn bar_write(&mut self, _bar: u8, _offset: u64, _data: &[u8]) {}
+    fn bars(&self) -> Vec<BarInfo> {
+        let mapping = BarMapping::Mapped { fd: self.memory.clone(), offset: 0, holes: Vec::new() };
+        vec![BarInfo { index: 0, size: 2 << 20, is_64bit: true, prefetchable: true, mapping }]
+    }
+    fn msix(&self) -> Option<MsixLayout> {
+        Some(MSIX)
+    }
+    fn connect_msix(&mut self, vectors: Option<&[&EventFd]>) -> Result<(), DeviceError> {
+        lock(&self.seen).connected.push(vectors.map(<[_]>::len));
+        Ok(())
+    }
+}
+
+struct Machine {
+    seen: Shared,
+    node: Node,
+    nic: usize,
+    mmio: Arc<Bus>,
+    pci: Arc<PciSegment>,
+    wiring: Arc<DeviceWiring>,
+}
+
+fn machine() -> Machine {
+    let seen: Shared = Arc::default();
+    let mut node = Node::preset("minimal").unwrap().unwrap();
+    let nic = node.functions.iter().position(|f| f.name == "nic0").unwrap();
+    node.functions[nic].backing = Backing::Vfio(HostBdf { domain: 0, bus: 0x3b, device: 0, function: 0 });
+    let memfd = memfd(2 << 20);
+    let kvm = Arc::new(FakeKvm(seen.clone()));
+    let mmio = Arc::new(Bus::new("mmio"));
+    let parts = MachineParts { memory: kvm.clone(), mmio: mmio.clone(), irq: Arc::new(GsiRouter::new(kvm).unwrap()) };
+    // The NIC's own DMA target sees guest RAM; an observer (another device) its BAR.
+    let open = |_: &Node, _: usize| -> Result<Option<Opened>, String> {
+        let device: Arc<Mutex<dyn PciDevice>> =
+            Arc::new(Mutex::new(FakeNic { seen: seen.clone(), memory: memfd.clone() }));
+        Ok(Some(Opened { device, dma: Some(Box::new(FakeDma(Arc::default()))) }))
+    };
+    let (wiring, functions) = DeviceWiring::new(&node, parts, &[(0, 0x7000_0000, 1 << 30)], &open).unwrap();
+    lock(wiring.dma()).add_target(DeviceId(999), Box::new(FakeDma(seen.clone())), true).unwrap();
+    let pci = Arc::new(PciSegment::with_functions(&node, functions));
+    let sink: Arc<dyn ApplyEffects> = wiring.clone();
+    pci.set_effects(Arc::downgrade(&sink));
+    mmio.insert(
+        Arc::new(Mutex::new(Ecam(pci.clone()))),
+        gdrvm_model::layout::ECAM_BASE,
+        gdrvm_model::layout::ECAM_SIZE,
+    )
+    .unwrap();
+    wiring.start(&node, &pci);
+    Machine { seen, node, nic, mmio, pci, wiring }
+}
+
+fn memfd(size: u64) -> Arc<std::fs::File> {
+    // SAFETY: a NUL-terminated name; the returned fd is checked and then owned by the File.
+    let fd = unsafe { libc::memfd_create(c"fake-bar".as_ptr(), 0) };
+    assert!(fd >= 0);
+    // SAFETY: `fd` is a fresh descriptor nobody else owns.
+    let file = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    file.set_len(size).unwrap();
+    Arc::new(file)
+}
+
+impl Machine {
+    fn config_write(&self, reg: usize, data: &[u8]) {
+        let bdf = self.node.functions[self.nic].bdf;
+        self.pci.write(bdf.bus, bdf.device << 3 | bdf.function, reg, data);
+    }
+
+    fn bar0(&self) -> u64 {
+        self.node.functions[self.nic].bars[0].address
+    }
+
+    /// Live KVM slots at the end: slot -> (gpa, size).
+    fn live_slots(&self) -> std::collections::BTreeMap<u32, (u64, u64)> {
+        let mut live = std::collections::BTreeMap::new();
+        for r in &lock(&self.seen).slots {
+            if r.memory_size == 0 {
+                live.remove(&r.slot);
+            } else {
+                live.insert(r.slot, (r.guest_phys_addr, r.memory_size));
+            }
+        }
+        live
+    }
+}
+
+#[test]
+fn test_firmware_places_the_bar_mapped_with_its_msix_page_trapped() {
+    let m = machine();
+    let bar0 = m.bar0();
+    // The device saw decode on, as firmware leaves it.
+    assert!(lock(&m.seen).config_writes.contains(&(PCI_COMMAND, PCI_COMMAND_MEMORY.to_le_bytes().to_vec())));
+    // Device memory past the MSI-X page is one KVM slot; the page itself is trapped.
+    let slots: Vec<(u64, u64)> = m.live_slots().into_values().collect();
+    assert_eq!(slots, [(bar0 + 0x1000, (2 << 20) - 0x1000)]);
+    assert!(m.mmio.ranges().contains(&(bar0, 0x1000)), "{:x?}", m.mmio.ranges());
+    // The mapped part is in the DMA space, owned by the NIC: peer-to-peer for others.
+    assert_eq!(lock(&m.seen).dma.last(), Some(&(true, bar0 + 0x1000, (2 << 20) - 0x1000)));
+    // A read in the trapped page but outside the MSI-X structures reaches the device.
+    let mut b = [0u8; 4];
+    m.mmio.read(bar0 + 0xc00, &mut b);
+    assert_eq!((b, lock(&m.seen).bar_reads.last().copied()), ([0x5a; 4], Some((0, 0xc00))));
+}
+
+#[test]
+fn test_guest_moves_and_removes_the_bar_and_the_slots_follow() {
+    let m = machine();
+    let (old, new) = (m.bar0(), m.bar0() + (64 << 20));
+    m.config_write(PCI_COMMAND, &0u16.to_le_bytes());
+    assert!(m.live_slots().is_empty(), "decode off removes the slot");
+    assert!(!m.mmio.ranges().iter().any(|&(b, _)| b == old), "and the trap");
+    m.config_write(
+        PCI_BASE_ADDRESS_0,
+        &(new as u32 | PCI_BASE_ADDRESS_MEM_TYPE_64 | PCI_BASE_ADDRESS_MEM_PREFETCH).to_le_bytes(),
+    );
+    m.config_write(PCI_BASE_ADDRESS_0 + 4, &((new >> 32) as u32).to_le_bytes());
+    // The device never sees the guest's BAR addresses.
+    assert!(!lock(&m.seen)
+        .config_writes
+        .iter()
+        .any(|(reg, _)| (PCI_BASE_ADDRESS_0..PCI_BASE_ADDRESS_0 + 8).contains(reg)));
+    m.config_write(PCI_COMMAND, &PCI_COMMAND_MEMORY.to_le_bytes());
+    let slots: Vec<(u64, u64)> = m.live_slots().into_values().collect();
+    assert_eq!(slots, [(new + 0x1000, (2 << 20) - 0x1000)]);
+    let dma = lock(&m.seen).dma.clone();
+    assert!(
+        dma.contains(&(false, old + 0x1000, (2 << 20) - 0x1000))
+            && dma.last() == Some(&(true, new + 0x1000, (2 << 20) - 0x1000)),
+        "{dma:x?}"
+    );
+    drop(m.wiring);
+}
+
+#[test]
+fn test_msix_table_writes_become_routes_and_enable_connects_the_device() {
+    let m = machine();
+    let bar0 = m.bar0();
+    // Linux: MSI-X enable with the function masked, program vector 2, unmask it, unmask all.
+    let flags = MSIX.cap + PCI_MSIX_FLAGS;
+    m.config_write(flags, &(PCI_MSIX_FLAGS_ENABLE | PCI_MSIX_FLAGS_MASKALL).to_le_bytes());
+    assert_eq!(lock(&m.seen).connected, [Some(4)]);
+    let entry = bar0 + 2 * 16;
+    m.mmio.write(entry, &0xfee0_1000u32.to_le_bytes());
+    m.mmio.write(entry + 4, &0u32.to_le_bytes());
+    m.mmio.write(entry + 8, &0x4041u32.to_le_bytes());
+    m.mmio.write(entry + 12, &0u32.to_le_bytes());
+    m.config_write(flags, &PCI_MSIX_FLAGS_ENABLE.to_le_bytes());
+    let table = lock(&m.seen).routes.last().cloned().unwrap();
+    let msi: Vec<_> = table.iter().filter(|e| e.type_ == KVM_IRQ_ROUTING_MSI).collect();
+    assert_eq!(msi.len(), 1, "one routed vector");
+    // SAFETY: an MSI entry's union holds the `msi` member.
+    let (lo, data) = unsafe { (msi[0].u.msi.address_lo, msi[0].u.msi.data) };
+    assert_eq!((lo, data), (0xfee0_1000, 0x4041));
+    // The guest reads back what it wrote; the device never saw the table.
+    let mut b = [0u8; 4];
+    m.mmio.read(entry + 8, &mut b);
+    assert_eq!(u32::from_le_bytes(b), 0x4041);
+    assert!(lock(&m.seen).bar_reads.is_empty());
+    m.config_write(flags, &0u16.to_le_bytes());
+    assert_eq!(lock(&m.seen).connected, [Some(4), None]);
+}
