@@ -275,14 +275,8 @@ impl Runner {
                     )
                 });
                 if let Some(first) = incidents.first() {
-                    r.console.insert(
-                        0,
-                        format!(
-                            "L1: {}; the job ran again in a fresh L1. L1's console:\n{}",
-                            first.summary(),
-                            first.console.join("\n")
-                        ),
-                    );
+                    // One line: the incident, with L1's console, stays in `l1_incidents`.
+                    r.console.insert(0, format!("L1: {}; the job ran again in a fresh L1", first.summary()));
                 }
                 r.l1_incidents = incidents;
                 r

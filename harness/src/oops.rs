@@ -52,7 +52,7 @@ fn text(line: &str) -> &str {
 
 /// The first oops in `lines`, if any.
 pub fn find(lines: &[String]) -> Option<Oops> {
-    let at = lines.iter().position(|l| HEADLINES.iter().any(|h| text(l).starts_with(h) || text(l).contains(h)))?;
+    let at = lines.iter().position(|l| HEADLINES.iter().any(|h| text(l).starts_with(h)))?;
     let after = &lines[at..lines.len().min(at + OOPS_LINES)];
     let field =
         |prefix: &str| after.iter().map(|l| text(l)).find_map(|t| t.find(prefix).map(|i| t[i..].trim_end().to_owned()));
@@ -114,6 +114,8 @@ mod tests {
         assert_eq!(excerpt(&console, None, 40).len(), 40);
         let mut long = console.clone();
         long.insert(10, "[ 9.9] general protection fault, probably for non-canonical address".into());
+        // A line that only quotes an oops (a harness note) is not one.
+        assert_eq!(find(&["L1: L1 Stall: watchdog: BUG: soft lockup".to_owned()]), None);
         let oops = find(&long).unwrap();
         let ex = excerpt(&long, Some(&oops), 40);
         assert_eq!(ex[5], long[10]);

@@ -409,6 +409,12 @@ fn report(result: &VmResult) -> Result<i32> {
             if suite.ok { "ok" } else { "NOT OK" }
         );
     }
+    for incident in &result.l1_incidents {
+        println!("xtask: {} (the job ran again); L1's console:", incident.summary());
+        for line in &incident.console {
+            println!("  L1| {line}");
+        }
+    }
     if let Some(problem) = &problem {
         println!("xtask: {problem}");
         println!("xtask: last {} console lines:", result.tail().len());
