@@ -4,6 +4,7 @@ mod bench;
 mod build;
 mod host;
 mod soak;
+mod vfio_bind;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -113,6 +114,17 @@ enum Cmd {
         #[arg(long, value_enum, default_value = "auto")]
         runner: RunnerArg,
     },
+    /// Hand host PCI devices to vfio-pci for passthrough (remembering their drivers), or
+    /// give them back with --restore. Needs root, an IOMMU, and every member of each
+    /// device's IOMMU group.
+    VfioBind {
+        /// PCI addresses (DDDD:BB:DD.F or BB:DD.F).
+        #[arg(required = true)]
+        bdfs: Vec<String>,
+        /// Give the devices back to the drivers they had.
+        #[arg(long)]
+        restore: bool,
+    },
     /// Pin every package of the image recipes to the version Debian's archive serves now
     /// (refreshing apt's lists), with its sha256; rewrites images/recipes/*.toml.
     Repin,
@@ -212,6 +224,7 @@ fn main() -> ExitCode {
         Cmd::Boot { suites, shell, append, run } => boot(&suites, shell, &append, &run),
         Cmd::Test { cargo_args } => test(&cargo_args),
         Cmd::Repin => repin(),
+        Cmd::VfioBind { bdfs, restore } => vfio_bind::run(&bdfs, restore),
         Cmd::Soak { boots, kill, seed, vmm, per_l1, suites, l1, runner: arg } => {
             let vmm = match vmm {
                 VmmArg::Gdrvm => Vmm::Gdrvm,
