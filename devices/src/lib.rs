@@ -9,6 +9,10 @@
 //! its [`ConfigWriteEffects`], MSI and MSI-X are emulated once ([`MsiCapability`],
 //! [`MsixTable`]), and the [`DmaSpace`] mirrors guest RAM and mapped BARs into every
 //! [`DmaTarget`]. Register names shared with the VMM are in [`pci_regs`].
+//!
+//! A host function passed through with VFIO is a [`VfioPciDevice`]: its configuration
+//! writes pass a firewall, its BARs are mapped from the device file, and its container is a
+//! [`VfioDmaTarget`].
 
 mod bus;
 mod debug_exit;
@@ -19,6 +23,7 @@ mod pci;
 mod serial;
 mod sleep;
 mod sync;
+mod vfio;
 
 pub use bus::{Bus, BusDevice, BusError};
 pub use debug_exit::DebugExit;
@@ -35,3 +40,7 @@ pub use sleep::{
     AcpiSleepControl, ResetRegister, ACPI_RESET_PORT, ACPI_RESET_VALUE, ACPI_SLEEP_LEN, ACPI_SLEEP_PORT, S5_SLEEP_TYPE,
 };
 pub use sync::lock;
+pub use vfio::{
+    check_host, open_container, Capability, CapabilityId, ConfigWrites, HostCheck, IrqKind, MsiInfo, RegionInfo,
+    VfioContainer, VfioContainerOps, VfioDeviceFd, VfioDeviceOps, VfioDmaTarget, VfioError, VfioOptions, VfioPciDevice,
+};
