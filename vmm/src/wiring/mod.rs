@@ -16,6 +16,8 @@ use gdrvm_devices::{
     lock, BarInfo, BarMapping, Bus, ConfigOwnership, ConfigWriteEffects, DeviceId, DmaRegion, DmaSpace, DmaTarget,
     Owner, PciDevice,
 };
+use gdrvm_devices::{open_container, ConfigWrites, VfioDmaTarget, VfioOptions, VfioPciDevice};
+use gdrvm_model::host_pci::HostPci;
 use gdrvm_model::node::{Backing, Node};
 
 use crate::irq::{GsiRouter, IrqError};
@@ -73,15 +75,16 @@ struct Placed {
     dma: Vec<u64>,
 }
 
-/// A function with a device behind it.
+/// A function with a device behind it. Fields drop in order: the device's mappings and
+/// file handles before the device (VFIO cannot release a group whose files are open).
 struct Wired {
     key: String,
     id: DeviceId,
-    device: Arc<Mutex<dyn PciDevice>>,
-    bars: Vec<BarInfo>,
-    memory: BTreeMap<u8, DeviceMemory>,
     placed: BTreeMap<u8, Placed>,
+    memory: BTreeMap<u8, DeviceMemory>,
+    bars: Vec<BarInfo>,
     msix: Option<Arc<MsixState>>,
+    device: Arc<Mutex<dyn PciDevice>>,
 }
 
 /// What wiring needs of the machine.
@@ -114,12 +117,27 @@ pub struct Opened {
 /// Opens the device an endpoint's backing names.
 pub type OpenBacking<'a> = dyn Fn(&Node, usize) -> Result<Option<Opened>, String> + 'a;
 
-/// Opens the backing of function `i` of `node`.
+/// Opens the backing of function `i` of `node`: for `vfio:<BDF>`, the host device in a
+/// VFIO container of its own (its DMA target).
 pub fn open_backing(node: &Node, i: usize) -> Result<Option<Opened>, String> {
-    match node.functions[i].backing {
-        Backing::None => Ok(None),
-        Backing::Vfio(bdf) => Err(format!("cannot pass through {bdf}: VFIO passthrough is not in this build yet")),
-    }
+    let Backing::Vfio(bdf) = node.functions[i].backing else { return Ok(None) };
+    let passed_through = node
+        .functions
+        .iter()
+        .filter_map(|f| match f.backing {
+            Backing::Vfio(b) => Some(b),
+            Backing::None => None,
+        })
+        .collect();
+    let options = VfioOptions { config_writes: ConfigWrites::Filtered, passed_through };
+    let container = open_container(None).map_err(|e| e.to_string())?;
+    let device = VfioPciDevice::open(&HostPci::default(), bdf, &container, &options).map_err(|e| e.to_string())?;
+    // SAFETY: the DMA space maps only guest RAM, which outlives the devices (the machine
+    // drops the wiring first), and BAR mappings the wiring keeps until it has removed their
+    // regions; the guest and devices touch both only through the hardware, never through
+    // Rust references.
+    let dma = unsafe { VfioDmaTarget::new(container) };
+    Ok(Some(Opened { device: Arc::new(Mutex::new(device)), dma: Some(Box::new(dma)) }))
 }
 
 impl DeviceWiring {
@@ -182,7 +200,7 @@ impl DeviceWiring {
             let backend =
                 Backend { device: device.clone(), ownership, bars: bars.clone(), msix_cap: layout.map(|l| l.cap) };
             functions.push(PciFunction::backed(ConfigSpace::for_passthrough(node, i, backend.msix_cap), backend));
-            let w = Wired { key: f.key.clone(), id, device, bars, memory, placed: BTreeMap::new(), msix };
+            let w = Wired { key: f.key.clone(), id, placed: BTreeMap::new(), memory, bars, msix, device };
             wired.insert(i, Mutex::new(w));
         }
         let slots = MemorySlots::new(parts.memory.clone(), KVM_SLOTS);
