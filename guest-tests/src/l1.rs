@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use gdrvm_model::l1::{job_output_prefix, L1Job, L1Jobs, JOBS_PATH, MARKER};
+use gdrvm_model::l1::{job_output_prefix, L1Job, L1Jobs, IN_L1_ENV, JOBS_PATH, MARKER};
 
 /// Exit status of L1 when it could not run its jobs.
 const CANNOT_TEST: u8 = 125;
@@ -104,7 +104,7 @@ fn report_status(line: &str) {
 
 fn command(job: &L1Job) -> Command {
     let mut cmd = Command::new(&job.program);
-    cmd.args(&job.args);
+    cmd.args(&job.args).env(IN_L1_ENV, "1");
     cmd
 }
 

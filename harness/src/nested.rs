@@ -466,6 +466,14 @@ impl Runner {
     }
 }
 
+impl VmSpec {
+    /// Whether this VM's node needs a lab L1 (it passes through devices that exist only
+    /// there), so it can run only nested.
+    pub fn needs_lab(&self) -> bool {
+        lab_of(self).is_ok_and(|lab| lab.is_some())
+    }
+}
+
 /// The L1 lab `spec`'s node asks for (its `[nested]` table), if any.
 fn lab_of(spec: &VmSpec) -> Result<Option<L1Lab>, HarnessError> {
     let Some(node) = &spec.node else { return Ok(None) };

@@ -9,6 +9,9 @@ pub const JOBS_PATH: &str = "/l1/jobs.json";
 pub const GDRVM_PATH: &str = "/l1/gdrvm";
 /// Prefix of every marker line.
 pub const MARKER: &str = "@@gdrvm-l1 ";
+/// Set in the environment of L1's jobs: a node with a `[nested]` table names L1's lab
+/// devices by address, and only in that L1 are they what the node means.
+pub const IN_L1_ENV: &str = "GDRVM_IN_L1";
 
 /// One VM for L1 to run.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -8,6 +8,11 @@ use gdrvm_model::{MAX_GUEST_CPUS as MAX_CPUS, MAX_GUEST_MEMORY as MAX_MEMORY, MI
 /// Errors in a VM configuration.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ConfigError {
+    /// A lab node (with a `[nested]` table) outside its L1.
+    #[error(
+        "node {0} passes through the devices of a nested lab by their addresses in its L1: run it with `cargo xtask boot --node {0}` (nested), not on this host"
+    )]
+    LabOnly(String),
     /// A size string did not parse.
     #[error("invalid size '{0}': expected a number with an optional K, M, G or T suffix (e.g. 512M)")]
     BadSize(String),
@@ -97,6 +102,9 @@ impl VmConfig {
         if top > MAX_CPUS {
             return Err(ConfigError::ApicIds(top));
         }
+        if self.node.nested.is_some() && std::env::var_os(gdrvm_model::l1::IN_L1_ENV).is_none() {
+            return Err(ConfigError::LabOnly(self.node.name.clone()));
+        }
         check_readable("kernel", &self.kernel)?;
         if let Some(initrd) = &self.initrd {
             check_readable("initrd", initrd)?;
@@ -162,5 +170,9 @@ mod tests {
         assert!(err.starts_with("kernel '") && err.contains("missing"), "{err}");
         cfg.kernel = dir.path().to_owned();
         assert!(cfg.validate().unwrap_err().to_string().contains("not a regular file"));
+        // A lab node names L1's devices by address: outside L1 it would pass through
+        // whatever this host has there.
+        cfg.node.nested = Some(gdrvm_model::l1::L1Lab::default());
+        assert_eq!(cfg.validate(), Err(ConfigError::LabOnly("plain".into())));
     }
 }

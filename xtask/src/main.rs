@@ -345,8 +345,10 @@ fn boot(suites: &[String], shell: bool, append: &str, opts: &RunOpts) -> Result<
     }
     let artifacts = build::artifacts()?;
     spec.image = artifacts.guest.clone();
+    // A lab node's devices exist only in its L1.
+    let arg = if spec.needs_lab() && matches!(opts.runner, RunnerArg::Auto) { RunnerArg::Nested } else { opts.runner };
     run_interruptible(async {
-        let runner = runner(artifacts, opts.runner, true).await?;
+        let runner = runner(artifacts, arg, true).await?;
         if shell {
             println!("xtask: shell on the guest console; Ctrl-A x quits");
             return Ok(runner.run_interactive(&spec).await?);
