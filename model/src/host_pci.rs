@@ -90,6 +90,51 @@ pub struct HostFunction {
     pub driver: Option<String>,
     /// Its IOMMU group; `None` when the host has no IOMMU (or it is off).
     pub iommu_group: Option<u32>,
+    /// What the guest will find in its own configuration space.
+    pub caps: DeviceCaps,
+}
+
+/// The capabilities a passed-through device brings with it (the guest sees the device's
+/// own configuration space, not the VMM's).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeviceCaps {
+    /// Its PCIe link capability (`max_link_speed`, `max_link_width`); `None` for a
+    /// conventional PCI device.
+    pub link: Option<crate::node::Link>,
+    /// An MSI-X capability.
+    pub msix: bool,
+    /// An ATS extended capability.
+    pub ats: bool,
+}
+
+/// PCI capability ID of MSI-X.
+const CAP_MSIX: u8 = 0x11;
+/// Extended capability ID of ATS.
+const EXT_CAP_ATS: u16 = 0x0f;
+
+impl DeviceCaps {
+    /// Reads the capability lists of a configuration space image (`config` in sysfs:
+    /// 256 bytes, or 4096 with extended space when read as root).
+    fn from_config(config: &[u8], link: Option<crate::node::Link>) -> Self {
+        let byte = |at: usize| config.get(at).copied().unwrap_or(0);
+        let word = |at: usize| u16::from_le_bytes([byte(at), byte(at + 1)]);
+        let mut caps = DeviceCaps { link, ..Default::default() };
+        // Bounded walks: a corrupt list cannot loop.
+        let (mut at, mut left) = (usize::from(byte(0x34)) & !3, 48);
+        while at >= 0x40 && left > 0 {
+            caps.msix |= byte(at) == CAP_MSIX;
+            at = usize::from(byte(at + 1)) & !3;
+            left -= 1;
+        }
+        let (mut at, mut left) = (0x100, 1024);
+        while at >= 0x100 && at + 4 <= config.len() && left > 0 {
+            let header = u32::from_le_bytes([byte(at), byte(at + 1), byte(at + 2), byte(at + 3)]);
+            caps.ats |= word(at) == EXT_CAP_ATS;
+            at = (header >> 20) as usize & !3;
+            left -= 1;
+        }
+        caps
+    }
 }
 
 /// Reading a host function failed.
@@ -162,7 +207,17 @@ impl HostPci {
         let link_name = |name: &str| {
             std::fs::read_link(dir.join(name)).ok().and_then(|p| Some(p.file_name()?.to_string_lossy().into_owned()))
         };
+        let link = match (read("max_link_speed"), read("max_link_width")) {
+            (Ok((speed, _)), Ok((width, _))) => crate::node::LinkSpeed::ALL
+                .into_iter()
+                .find(|s| s.sysfs() == speed)
+                .zip(width.parse().ok())
+                .map(|(speed, width)| crate::node::Link { speed, width }),
+            _ => None,
+        };
+        let config = std::fs::read(dir.join("config")).unwrap_or_default();
         Ok(HostFunction {
+            caps: DeviceCaps::from_config(&config, link),
             bdf,
             vendor: hex("vendor")? as u16,
             device: hex("device")? as u16,
@@ -229,6 +284,8 @@ pub(crate) fn record_e1000e(root: &Path) -> HostBdf {
         ("class", "0x020000\n"),
         ("subsystem_vendor", "0x8086\n"),
         ("subsystem_device", "0x0000\n"),
+        ("max_link_speed", "2.5 GT/s PCIe\n"),
+        ("max_link_width", "1\n"),
         (
             "resource",
             "0x00000000fe840000 0x00000000fe85ffff 0x0000000000040200\n\
@@ -242,6 +299,17 @@ pub(crate) fn record_e1000e(root: &Path) -> HostBdf {
     ] {
         std::fs::write(dir.join(name), text).unwrap();
     }
+    // Capabilities as QEMU's e1000e has them: PM at 0xc8, MSI at 0xd0, PCIe at 0xe0,
+    // MSI-X at 0xa0; AER then DSN in extended space.
+    let mut config = vec![0u8; 4096];
+    config[0x34] = 0xc8;
+    for (at, id, next) in [(0xc8, 0x01, 0xd0), (0xd0, 0x05, 0xe0), (0xe0, 0x10, 0xa0), (0xa0, 0x11, 0x00)] {
+        config[at] = id;
+        config[at + 1] = next;
+    }
+    config[0x100..0x104].copy_from_slice(&(0x0001u32 | 1 << 16 | 0x140 << 20).to_le_bytes());
+    config[0x140..0x144].copy_from_slice(&(0x0003u32 | 1 << 16).to_le_bytes());
+    std::fs::write(dir.join("config"), config).unwrap();
     let group = root.join("kernel/iommu_groups/7/devices");
     std::fs::create_dir_all(&group).unwrap();
     std::os::unix::fs::symlink(&dir, group.join(bdf.to_string())).unwrap();
@@ -277,8 +345,24 @@ mod tests {
             ]
         );
         assert_eq!(f.driver.as_deref(), Some("vfio-pci"));
+        let gen1_x1 = crate::node::Link { speed: crate::node::LinkSpeed::Gt2_5, width: 1 };
+        assert_eq!(f.caps, DeviceCaps { link: Some(gen1_x1), msix: true, ats: false });
         assert_eq!(f.iommu_group, Some(7));
         assert_eq!(host.iommu_group_members(7), [bdf]);
+    }
+
+    #[test]
+    fn test_capability_walks_find_ats_and_survive_loops() {
+        let mut config = vec![0u8; 4096];
+        // A standard list that points at itself, and ATS after ACS in extended space.
+        config[0x34] = 0x40;
+        config[0x40] = 0x11;
+        config[0x41] = 0x40;
+        config[0x100..0x104].copy_from_slice(&(0x000du32 | 1 << 16 | 0x120 << 20).to_le_bytes());
+        config[0x120..0x124].copy_from_slice(&(0x000fu32 | 1 << 16 | 0x120 << 20).to_le_bytes());
+        assert_eq!(DeviceCaps::from_config(&config, None), DeviceCaps { link: None, msix: true, ats: true });
+        // 256 bytes (sysfs as a normal user): no extended space.
+        assert_eq!(DeviceCaps::from_config(&config[..256], None), DeviceCaps { link: None, msix: true, ats: false });
     }
 
     #[test]

@@ -54,6 +54,7 @@ fn bridge(name: String, key: String, kind: FunctionKind, at: At, ids: (u16, u16)
         buses: None,
         windows: None,
         backing: Backing::None,
+        device_caps: None,
     }
 }
 
@@ -539,6 +540,7 @@ impl<'a> Builder<'a> {
             buses: None,
             windows: None,
             backing,
+            device_caps: id.caps,
         };
         self.push(f);
         Ok(())

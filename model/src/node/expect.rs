@@ -55,15 +55,17 @@ impl Node {
                     class: f.class,
                     subsystem: f.subsystem,
                     numa_node: self.host_bridges[f.host_bridge].numa as i32,
-                    link: f.link.map(|l| LinkExpectation {
+                    // A passed-through device shows its own link capability and its own
+                    // capabilities; the link trains to the slower end as for any other.
+                    link: f.device_caps.map_or(f.link, |c| c.link).map(|l| LinkExpectation {
                         max_speed: l.speed.sysfs().to_owned(),
                         max_width: l.width,
                         current: self.negotiated_link(i).map(|t| (t.speed.sysfs().to_owned(), t.width)),
                     }),
                     acs: f.acs,
                     acs_control: f.acs_control,
-                    ats: f.ats,
-                    msix: f.msix_bar().is_some(),
+                    ats: f.device_caps.map_or(f.ats, |c| c.ats),
+                    msix: f.device_caps.map_or(f.msix_bar().is_some(), |c| c.msix),
                     bars: f
                         .bars
                         .iter()

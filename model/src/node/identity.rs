@@ -7,7 +7,7 @@
 use super::error::KeyError;
 use super::schema::EndpointEntry;
 use super::{Backing, Bar};
-use crate::host_pci::{HostFunction, HostPci};
+use crate::host_pci::{DeviceCaps, HostFunction, HostPci};
 
 /// What an endpoint is to the guest.
 pub(super) struct Identity {
@@ -16,6 +16,8 @@ pub(super) struct Identity {
     pub class: u32,
     pub subsystem: Option<(u16, u16)>,
     pub bars: Vec<Bar>,
+    /// What a passed-through device brings.
+    pub caps: Option<DeviceCaps>,
 }
 
 /// The identity of endpoint `ep` (entry `k`), whose kind implies `default_class`.
@@ -43,6 +45,7 @@ pub(super) fn resolve(
             class,
             subsystem,
             bars: file_bars,
+            caps: None,
         });
     };
     let dev = host.function(bdf).map_err(|e| KeyError::new(field("backing"), e.to_string()))?;
@@ -79,7 +82,14 @@ pub(super) fn resolve(
             return Err(differs("bars", format!("[{}]", show(&file_bars)), format!("[{}]", show(&bars))));
         }
     }
-    Ok(Identity { vendor: dev.vendor, device: dev.device, class: dev.class, subsystem: dev.subsystem, bars })
+    Ok(Identity {
+        vendor: dev.vendor,
+        device: dev.device,
+        class: dev.class,
+        subsystem: dev.subsystem,
+        bars,
+        caps: Some(dev.caps),
+    })
 }
 
 /// The device's memory BARs at their own register indices (a driver finds them there).

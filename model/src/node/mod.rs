@@ -308,6 +308,9 @@ pub struct Function {
     pub windows: Option<BridgeWindows>,
     /// What stands behind it (endpoints; bridges are the VMM's own).
     pub backing: Backing,
+    /// For a passed-through device: the capabilities it brings (the guest sees its own
+    /// configuration space, not the VMM's).
+    pub device_caps: Option<crate::host_pci::DeviceCaps>,
 }
 
 /// The ACS controls a node file may set, by bit of the ACS Control register (PCIe 4.0,
