@@ -4,9 +4,12 @@
 //! bare-metal results compare line by line.
 
 mod context;
+mod dma;
 mod init;
 mod ktap;
 mod l1;
+mod packet;
+mod pcidev;
 mod suites;
 mod sys;
 
@@ -47,7 +50,7 @@ fn main() -> ExitCode {
         }
         Command::Run { suites: names } => {
             let names: Vec<String> = if names.iter().any(|n| n == "all") {
-                suites::SUITES.iter().map(|s| s.to_string()).collect()
+                suites::ALL.iter().map(|s| s.to_string()).collect()
             } else {
                 names
             };

@@ -80,3 +80,16 @@ pub fn power_off() -> io::Error {
     unsafe { libc::reboot(libc::RB_POWER_OFF) };
     io::Error::last_os_error()
 }
+
+/// 64 random bits that never block (GRND_INSECURE: PID 1 runs before the CRNG is seeded);
+/// the time and PID when getrandom(2) fails. For test tokens, not for secrets.
+pub fn random_u64() -> u64 {
+    let mut bytes = [0u8; 8];
+    // SAFETY: the buffer is writable for the 8 bytes passed.
+    let n = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), libc::GRND_INSECURE) };
+    if n == 8 {
+        return u64::from_ne_bytes(bytes);
+    }
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    nanos ^ (u64::from(std::process::id()) << 32)
+}

@@ -122,6 +122,7 @@ mod tests {
         let r = Recipe::load(&dir.join("default.toml")).unwrap();
         assert_eq!(r.kernel.release, "6.1.0-57-amd64");
         assert!(r.modules.load.contains(&"virtio_net".to_string()));
+        assert_eq!(r.modules.try_load, vec!["e1000e"]);
         let l1 = Recipe::load(&dir.join("l1.toml")).unwrap();
         assert_eq!(l1.modules.try_load, vec!["kvm_amd", "kvm_intel", "vfio-pci", "vfio_iommu_type1"]);
     }

@@ -4,18 +4,24 @@ mod lspci;
 mod pci;
 mod smoke;
 mod topology;
+mod vfio;
 
 use crate::context::Context;
 use crate::ktap::{Check, SuiteReport, Verdict};
 
 /// Names of every suite, in the order `all` runs them.
-pub const SUITES: &[&str] = &["smoke", "topology"];
+pub const SUITES: &[&str] = &["smoke", "topology", "vfio"];
+
+/// What `run all` runs: the suites that only read. `vfio` drives devices (brings NICs up,
+/// sends frames, starts DMA) and runs only when named, on a node made for it.
+pub const ALL: &[&str] = &["smoke", "topology"];
 
 /// Runs the suite called `name`.
 pub fn run(name: &str, ctx: &Context) -> SuiteReport {
     let checks = match name {
         "smoke" => smoke::run(ctx),
         "topology" => topology::run(ctx),
+        "vfio" => vfio::run(ctx),
         other => vec![Check::new(
             "suite_exists",
             Verdict::Fail(format!("no suite named '{other}' (known: {})", SUITES.join(", "))),

@@ -1,0 +1,382 @@
+//! PCI functions driven from userspace through sysfs: finding a function by ID, its
+//! resources, enabling it, bus mastering, its MSI vectors and interrupt counts, and a BAR
+//! mapped for MMIO (`resourceN`).
+
+use std::collections::BTreeMap;
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+
+/// Where sysfs lists PCI functions.
+pub const SYSFS_PCI: &str = "/sys/bus/pci/devices";
+/// Command register: memory space decode.
+pub const COMMAND_MEMORY: u16 = 1 << 1;
+/// Command register: bus master (the function may issue DMA).
+pub const COMMAND_BUS_MASTER: u16 = 1 << 2;
+/// Offset of the Command register in configuration space.
+const COMMAND_OFFSET: u64 = 4;
+/// `IORESOURCE_MEM` in a sysfs `resource` line's flags.
+const IORESOURCE_MEM: u64 = 0x200;
+
+/// The sysfs directory of function `bdf` under `root`.
+pub fn function_dir(root: &Path, bdf: &str) -> PathBuf {
+    root.join(SYSFS_PCI.trim_start_matches('/')).join(bdf)
+}
+
+fn read_hex(path: &Path) -> Option<u64> {
+    let text = std::fs::read_to_string(path).ok()?;
+    u64::from_str_radix(text.trim().trim_start_matches("0x"), 16).ok()
+}
+
+/// BDFs of the functions with this vendor and device ID, sorted.
+pub fn find(root: &Path, vendor: u16, device: u16) -> Vec<String> {
+    let dir = root.join(SYSFS_PCI.trim_start_matches('/'));
+    let Ok(entries) = std::fs::read_dir(&dir) else { return Vec::new() };
+    let mut found: Vec<String> = entries
+        .filter_map(|e| e.ok())
+        .filter(|e| {
+            read_hex(&e.path().join("vendor")) == Some(u64::from(vendor))
+                && read_hex(&e.path().join("device")) == Some(u64::from(device))
+        })
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    found.sort();
+    found
+}
+
+/// One line of sysfs `resource`: `0x<start> 0x<end> 0x<flags>`, zeros when unused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Resource {
+    /// First address (CPU physical, which is the bus address without an IOMMU on x86).
+    pub start: u64,
+    /// Last address.
+    pub end: u64,
+    /// `IORESOURCE_*` flags.
+    pub flags: u64,
+}
+
+impl Resource {
+    /// Size in bytes; 0 when unused.
+    pub fn size(&self) -> u64 {
+        if self.end > self.start {
+            self.end - self.start + 1
+        } else {
+            0
+        }
+    }
+
+    /// A memory (not I/O port) resource.
+    pub fn is_mem(&self) -> bool {
+        self.flags & IORESOURCE_MEM != 0
+    }
+}
+
+/// Parses one `resource` line.
+pub fn parse_resource_line(line: &str) -> Option<Resource> {
+    let hex = |s: &str| u64::from_str_radix(s.strip_prefix("0x")?, 16).ok();
+    let mut words = line.split_whitespace();
+    let r = Resource { start: hex(words.next()?)?, end: hex(words.next()?)?, flags: hex(words.next()?)? };
+    words.next().is_none().then_some(r)
+}
+
+/// Resource `index` (BAR 0-5, then the ROM and bridge windows) of the function in `dir`.
+pub fn resource(dir: &Path, index: usize) -> Result<Resource, String> {
+    let path = dir.join("resource");
+    let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let line = text.lines().nth(index).ok_or_else(|| format!("{} has no line {index}", path.display()))?;
+    parse_resource_line(line).ok_or_else(|| format!("{} line {index} unparsable: '{line}'", path.display()))
+}
+
+/// The driver bound to the function in `dir` (the `driver` link's last component).
+pub fn driver(dir: &Path) -> Option<String> {
+    let link = std::fs::read_link(dir.join("driver")).ok()?;
+    link.file_name().map(|n| n.to_string_lossy().into_owned())
+}
+
+/// Enables the function (`enable` ← 1, which turns memory decode on) unless it already is;
+/// returns what `enable` read before.
+pub fn enable(dir: &Path) -> Result<String, String> {
+    let path = dir.join("enable");
+    let before = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?.trim().to_owned();
+    if before == "0" {
+        std::fs::write(&path, "1").map_err(|e| format!("writing 1 to {}: {e}", path.display()))?;
+    }
+    Ok(before)
+}
+
+/// Sets `bits` in the Command register by read-modify-write of sysfs `config`; returns the
+/// register before and after (as read back).
+pub fn set_command_bits(dir: &Path, bits: u16) -> Result<(u16, u16), String> {
+    let path = dir.join("config");
+    let file = OpenOptions::new().read(true).write(true).open(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let read = || -> Result<u16, String> {
+        let mut b = [0u8; 2];
+        file.read_exact_at(&mut b, COMMAND_OFFSET)
+            .map_err(|e| format!("reading Command from {}: {e}", path.display()))?;
+        Ok(u16::from_le_bytes(b))
+    };
+    let before = read()?;
+    if before & bits != bits {
+        file.write_all_at(&(before | bits).to_le_bytes(), COMMAND_OFFSET)
+            .map_err(|e| format!("writing Command to {}: {e}", path.display()))?;
+    }
+    Ok((before, read()?))
+}
+
+/// The function's MSI/MSI-X vectors from `msi_irqs/`: (Linux IRQ number, mode `msi` or
+/// `msix`), by IRQ number.
+pub fn msi_irqs(dir: &Path) -> Vec<(u32, String)> {
+    let Ok(entries) = std::fs::read_dir(dir.join("msi_irqs")) else { return Vec::new() };
+    let mut irqs: Vec<(u32, String)> = entries
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let irq = e.file_name().to_str()?.parse().ok()?;
+            let mode = std::fs::read_to_string(e.path()).map(|m| m.trim().to_owned()).unwrap_or_default();
+            Some((irq, mode))
+        })
+        .collect();
+    irqs.sort();
+    irqs
+}
+
+/// Total count (all CPUs) of every numbered IRQ in `/proc/interrupts`.
+pub fn interrupt_counts(text: &str) -> BTreeMap<u32, u64> {
+    let mut lines = text.lines();
+    let cpus = lines.next().map(|h| h.split_whitespace().filter(|w| w.starts_with("CPU")).count()).unwrap_or(0);
+    lines
+        .filter_map(|line| {
+            let mut words = line.split_whitespace();
+            let irq = words.next()?.strip_suffix(':')?.parse().ok()?;
+            let total = words.take(cpus).map_while(|w| w.parse::<u64>().ok()).sum();
+            Some((irq, total))
+        })
+        .collect()
+}
+
+/// Sum of the counts of `irqs`.
+pub fn sum_counts(counts: &BTreeMap<u32, u64>, irqs: &[u32]) -> u64 {
+    irqs.iter().filter_map(|i| counts.get(i)).sum()
+}
+
+/// Register access to a device, so that a driver's register sequence runs against a real
+/// BAR or a fake register file alike.
+pub trait Mmio {
+    /// A 32-bit read at `offset`.
+    fn read32(&mut self, offset: usize) -> u32;
+    /// A 32-bit write at `offset`.
+    fn write32(&mut self, offset: usize, value: u32);
+    /// A 64-bit read at `offset`, one access.
+    fn read64(&mut self, offset: usize) -> u64;
+    /// A 64-bit write at `offset`, one access.
+    fn write64(&mut self, offset: usize, value: u64);
+}
+
+/// A memory BAR mapped from sysfs `resourceN` (the whole resource, shared, uncached as the
+/// kernel maps it). Accesses outside it or misaligned read all-ones and drop writes, as an
+/// unclaimed PCI access would, rather than fault.
+#[derive(Debug)]
+pub struct MappedBar {
+    ptr: NonNull<u8>,
+    len: usize,
+    _file: File,
+}
+
+impl MappedBar {
+    /// Maps `path` (a sysfs `resourceN` file, or any file in tests) read-write.
+    pub fn open(path: &Path) -> Result<MappedBar, String> {
+        let what = |e: std::io::Error| format!("{}: {e}", path.display());
+        let file = OpenOptions::new().read(true).write(true).custom_flags(libc::O_SYNC).open(path).map_err(what)?;
+        let len =
+            usize::try_from(file.metadata().map_err(what)?.len()).map_err(|e| format!("{}: {e}", path.display()))?;
+        if len == 0 {
+            return Err(format!("{}: empty resource", path.display()));
+        }
+        // SAFETY: a fresh shared mapping of an open file; the kernel picks the address, so
+        // nothing existing is replaced. The result is checked before use.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(format!("mmap of {}: {}", path.display(), std::io::Error::last_os_error()));
+        }
+        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| format!("mmap of {} returned null", path.display()))?;
+        Ok(MappedBar { ptr, len, _file: file })
+    }
+
+    /// Mapped length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// A pointer to `size` bytes at `offset` when they lie in the mapping, naturally aligned.
+    fn at(&self, offset: usize, size: usize) -> Option<*mut u8> {
+        let fits = offset.checked_add(size).is_some_and(|end| end <= self.len);
+        // SAFETY: `offset + size <= len`, so the pointer stays inside the mapping.
+        (fits && offset % size == 0).then(|| unsafe { self.ptr.as_ptr().add(offset) })
+    }
+
+    /// Writes `data` at `offset`: aligned 32-bit accesses, single bytes at unaligned edges.
+    pub fn write_bytes(&mut self, offset: usize, data: &[u8]) {
+        let mut i = 0;
+        while i < data.len() {
+            let at = offset.saturating_add(i);
+            if at % 4 == 0 && i + 4 <= data.len() {
+                self.write32(at, u32::from_le_bytes([data[i], data[i + 1], data[i + 2], data[i + 3]]));
+                i += 4;
+            } else {
+                if let Some(p) = self.at(at, 1) {
+                    // SAFETY: `at` checked that the byte is inside the live mapping.
+                    unsafe { std::ptr::write_volatile(p, data[i]) };
+                }
+                i += 1;
+            }
+        }
+    }
+
+    /// Reads `len` bytes at `offset`: aligned 32-bit accesses, single bytes at unaligned edges.
+    pub fn read_bytes(&mut self, offset: usize, len: usize) -> Vec<u8> {
+        let mut out = Vec::with_capacity(len);
+        while out.len() < len {
+            let at = offset.saturating_add(out.len());
+            if at % 4 == 0 && out.len() + 4 <= len {
+                out.extend_from_slice(&self.read32(at).to_le_bytes());
+            } else {
+                // SAFETY: `at` checked that the byte is inside the live mapping.
+                out.push(self.at(at, 1).map_or(0xff, |p| unsafe { std::ptr::read_volatile(p) }));
+            }
+        }
+        out
+    }
+}
+
+impl Mmio for MappedBar {
+    fn read32(&mut self, offset: usize) -> u32 {
+        // SAFETY: `at` checked bounds and alignment inside the live mapping.
+        self.at(offset, 4).map_or(u32::MAX, |p| unsafe { std::ptr::read_volatile(p.cast::<u32>()) })
+    }
+
+    fn write32(&mut self, offset: usize, value: u32) {
+        if let Some(p) = self.at(offset, 4) {
+            // SAFETY: `at` checked bounds and alignment inside the live mapping.
+            unsafe { std::ptr::write_volatile(p.cast::<u32>(), value) };
+        }
+    }
+
+    fn read64(&mut self, offset: usize) -> u64 {
+        // SAFETY: `at` checked bounds and alignment inside the live mapping.
+        self.at(offset, 8).map_or(u64::MAX, |p| unsafe { std::ptr::read_volatile(p.cast::<u64>()) })
+    }
+
+    fn write64(&mut self, offset: usize, value: u64) {
+        if let Some(p) = self.at(offset, 8) {
+            // SAFETY: `at` checked bounds and alignment inside the live mapping.
+            unsafe { std::ptr::write_volatile(p.cast::<u64>(), value) };
+        }
+    }
+}
+
+impl Drop for MappedBar {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly the mapping made in `open`; no reference into it outlives self.
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_resource_lines() {
+        let r = parse_resource_line("0x0000000380000000 0x0000000383ffffff 0x000000000014220c").unwrap();
+        assert_eq!(r.start, 0x3_8000_0000);
+        assert_eq!(r.size(), 64 << 20);
+        assert!(r.is_mem());
+        let io = parse_resource_line("0x000000000000c000 0x000000000000c01f 0x0000000000040101").unwrap();
+        assert!(!io.is_mem());
+        assert_eq!(parse_resource_line("0x0000000000000000 0x0000000000000000 0x0000000000000000").unwrap().size(), 0);
+        assert_eq!(parse_resource_line("0x1 0x2"), None);
+        assert_eq!(parse_resource_line("1000 2000 200"), None);
+        assert_eq!(parse_resource_line("0x1 0x2 0x3 0x4"), None);
+    }
+
+    fn fake_function(dir: &Path, vendor: &str, device: &str, resource: &str) {
+        std::fs::create_dir_all(dir.join("msi_irqs")).unwrap();
+        std::fs::write(dir.join("vendor"), vendor).unwrap();
+        std::fs::write(dir.join("device"), device).unwrap();
+        std::fs::write(dir.join("resource"), resource).unwrap();
+        std::fs::write(dir.join("enable"), "0\n").unwrap();
+        let mut config = vec![0u8; 64];
+        config[4] = 0x02;
+        std::fs::write(dir.join("config"), config).unwrap();
+    }
+
+    #[test]
+    fn test_sysfs_function() {
+        let root = tempfile::tempdir().unwrap();
+        let zero = "0x0000000000000000 0x0000000000000000 0x0000000000000000\n";
+        let res = format!("{zero}{zero}0x0000000380000000 0x0000000383ffffff 0x000000000014220c\n");
+        let ivshmem = function_dir(root.path(), "0000:05:00.0");
+        fake_function(&ivshmem, "0x1af4\n", "0x1110\n", &res);
+        fake_function(&function_dir(root.path(), "0000:03:00.0"), "0x1234\n", "0x11e8\n", zero);
+        fake_function(&function_dir(root.path(), "0000:02:00.0"), "0x1234\n", "0x11e8\n", zero);
+        assert_eq!(find(root.path(), 0x1234, 0x11e8), ["0000:02:00.0", "0000:03:00.0"]);
+        assert_eq!(find(root.path(), 0x8086, 0x10d3), Vec::<String>::new());
+        assert_eq!(resource(&ivshmem, 2).unwrap().start, 0x3_8000_0000);
+        assert!(resource(&ivshmem, 5).unwrap_err().contains("no line 5"));
+
+        assert_eq!(enable(&ivshmem).unwrap(), "0");
+        assert_eq!(std::fs::read_to_string(ivshmem.join("enable")).unwrap(), "1");
+        assert_eq!(set_command_bits(&ivshmem, COMMAND_MEMORY | COMMAND_BUS_MASTER).unwrap(), (0x0002, 0x0006));
+        assert_eq!(set_command_bits(&ivshmem, COMMAND_BUS_MASTER).unwrap(), (0x0006, 0x0006));
+
+        std::fs::write(ivshmem.join("msi_irqs/27"), "msix\n").unwrap();
+        std::fs::write(ivshmem.join("msi_irqs/9"), "msix\n").unwrap();
+        assert_eq!(msi_irqs(&ivshmem), [(9, "msix".to_owned()), (27, "msix".to_owned())]);
+        assert_eq!(driver(&ivshmem), None);
+    }
+
+    #[test]
+    fn test_interrupt_counts() {
+        let text = "           CPU0       CPU1       \n  0:         45          0   IO-APIC   2-edge      timer\n 24:          3         12   PCI-MSIX-0000:01:00.0    0-edge      eth0-rx-0\n 25:          1          0   PCI-MSIX-0000:01:00.0    1-edge      eth0-tx-0\nNMI:          0          0   Non-maskable interrupts\nERR:          0\n";
+        let counts = interrupt_counts(text);
+        assert_eq!(counts.len(), 3);
+        assert_eq!(counts[&24], 15);
+        assert_eq!(sum_counts(&counts, &[24, 25, 99]), 16);
+    }
+
+    #[test]
+    fn test_mapped_bar_on_a_file() {
+        let file = tempfile::NamedTempFile::new().unwrap();
+        file.as_file().set_len(4096).unwrap();
+        let mut bar = MappedBar::open(file.path()).unwrap();
+        assert_eq!(bar.len(), 4096);
+        bar.write32(4, 0xdead_beef);
+        bar.write64(8, 0x0123_4567_89ab_cdef);
+        assert_eq!(bar.read32(4), 0xdead_beef);
+        assert_eq!(bar.read64(8), 0x0123_4567_89ab_cdef);
+        bar.write_bytes(0x100, &[1, 2, 3, 4, 5, 6]);
+        bar.write_bytes(0x203, &[7, 8, 9, 10, 11, 12]);
+        assert_eq!(bar.read_bytes(0xff, 8), [0, 1, 2, 3, 4, 5, 6, 0]);
+        assert_eq!(bar.read_bytes(0x200, 12), [0, 0, 0, 7, 8, 9, 10, 11, 12, 0, 0, 0]);
+        assert_eq!(bar.read_bytes(4094, 4), [0, 0, 0xff, 0xff]);
+        // Outside or misaligned: all-ones, writes dropped, no fault.
+        assert_eq!(bar.read32(4096), u32::MAX);
+        assert_eq!(bar.read64(4092), u64::MAX);
+        assert_eq!(bar.read32(2), u32::MAX);
+        bar.write32(usize::MAX - 1, 1);
+        drop(bar);
+        let bytes = std::fs::read(file.path()).unwrap();
+        assert_eq!(&bytes[4..8], &0xdead_beef_u32.to_le_bytes());
+        assert!(MappedBar::open(Path::new("/nonexistent/resource0")).unwrap_err().contains("resource0"));
+    }
+}
