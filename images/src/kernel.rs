@@ -115,7 +115,7 @@ impl ModuleIndex {
         let mut order = Vec::new();
         let mut seen = HashSet::new();
         for name in names {
-            self.visit(&name.replace('-', "_"), &mut seen, &mut order, &mut Vec::new())?;
+            self.visit(name, &mut seen, &mut order, &mut Vec::new())?;
         }
         Ok(order)
     }
@@ -127,6 +127,8 @@ impl ModuleIndex {
         order: &mut Vec<ResolvedModule>,
         chain: &mut Vec<String>,
     ) -> Result<(), ImageError> {
+        // Names in .modinfo keep the file's dashes (vfio-pci-core); the kernel folds them.
+        let name = &name.replace('-', "_");
         if seen.contains(name) || self.builtin.contains(name) {
             return Ok(());
         }
