@@ -48,9 +48,12 @@ const EDU_DMA_CMD: usize = 0x98;
 const EDU_ID: u32 = 0x0100_00ed;
 /// The registers' extent in BAR0.
 const EDU_REGS_LEN: usize = 0x100;
-/// The DMA buffer's address on edu's side, and its size.
+/// The DMA buffer's address on edu's side, and the bytes each transfer moves: half the
+/// 4 KiB buffer, because QEMU before 8.2.1 rejects a transfer that reaches the buffer's
+/// last byte with a hw_error that aborts the whole QEMU (fixed upstream in "edu: fix DMA
+/// range upper bound check"); QEMU 7.2 runs L1 here.
 const EDU_BUFFER: u64 = 0x40000;
-const EDU_BUFFER_LEN: usize = 4096;
+const EDU_BUFFER_LEN: usize = 2048;
 /// Command: start (reads 1 while busy).
 const CMD_START: u64 = 1;
 /// Command: direction device buffer -> RAM (0 is RAM -> device buffer).
@@ -524,7 +527,8 @@ fn edu_dma(edu: Option<&mut Edu>, token: u64) -> Check {
     let got = b.read();
     notes.push(format!("B now starts {}", hex(&got)));
     let mut problems = Vec::new();
-    if let Err(e) = compare(&data, &got, &fill) {
+    // Only the transferred bytes; the rest of B keeps its fill.
+    if let Err(e) = compare(&data[..EDU_BUFFER_LEN], &got[..EDU_BUFFER_LEN], &fill[..EDU_BUFFER_LEN]) {
         problems.push(format!("B is not A: {e}"));
     }
     if a.phys() != Ok(pa) || b.phys() != Ok(pb) {
@@ -578,7 +582,7 @@ fn p2p_into_bar(ctx: &Context, edu: Option<&mut Edu>, token: u64) -> Check {
     let result = p2p_sequence(&mut edu.bar, gpa, inspect.as_ref().ok().map(|(phys, _)| *phys), DMA_TIMEOUT);
     if let Ok((_, page)) = &inspect {
         if result.is_ok() {
-            match compare(&data, &page.read(), &[]) {
+            match compare(&data, &page.read()[..EDU_BUFFER_LEN], &[]) {
                 Ok(()) => notes.push("edu's buffer after BAR2 -> edu holds the pattern".into()),
                 Err(e) => notes.push(format!("edu's buffer after BAR2 -> edu is not the pattern: {e}")),
             }
@@ -725,9 +729,10 @@ mod tests {
         let data = pattern(7, PAGE_SIZE);
         let mut edu = FakeEdu::new(&[(A, data.clone()), (B, vec![0; PAGE_SIZE])]);
         ram_round_trip(&mut edu, A, B, T).unwrap();
-        assert_eq!(edu.started, [(A, EDU_BUFFER, 4096, 1), (EDU_BUFFER, B, 4096, 3)]);
-        assert_eq!(edu.memory[&B], data);
-        assert_eq!(edu.buffer, data);
+        let n = EDU_BUFFER_LEN as u64;
+        assert_eq!(edu.started, [(A, EDU_BUFFER, n, 1), (EDU_BUFFER, B, n, 3)]);
+        assert_eq!(edu.memory[&B][..EDU_BUFFER_LEN], data[..EDU_BUFFER_LEN]);
+        assert_eq!(edu.buffer[..EDU_BUFFER_LEN], data[..EDU_BUFFER_LEN]);
     }
 
     #[test]
@@ -737,12 +742,10 @@ mod tests {
         bar.resize(0x2000, 0);
         let mut edu = FakeEdu::new(&[(BAR2, bar), (A, vec![0; PAGE_SIZE])]);
         p2p_sequence(&mut edu, BAR2, Some(A), T).unwrap();
-        assert_eq!(
-            edu.started,
-            [(BAR2, EDU_BUFFER, 4096, 1), (EDU_BUFFER, A, 4096, 3), (EDU_BUFFER, BAR2 + 0x1000, 4096, 3)]
-        );
-        assert_eq!(&edu.memory[&BAR2][0x1000..], &data[..]);
-        assert_eq!(edu.memory[&A], data);
+        let n = EDU_BUFFER_LEN as u64;
+        assert_eq!(edu.started, [(BAR2, EDU_BUFFER, n, 1), (EDU_BUFFER, A, n, 3), (EDU_BUFFER, BAR2 + 0x1000, n, 3)]);
+        assert!(edu.memory[&BAR2][0x1000..0x1000 + EDU_BUFFER_LEN] == data[..], "the pattern arrived at BAR2 + 0x1000");
+        assert!(edu.memory[&A][..EDU_BUFFER_LEN] == data[..], "and in the RAM page");
         let mut edu = FakeEdu::new(&[(BAR2, vec![0; 0x2000])]);
         p2p_sequence(&mut edu, BAR2, None, T).unwrap();
         assert_eq!(edu.started.len(), 2);
