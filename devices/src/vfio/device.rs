@@ -31,11 +31,13 @@ const PAGE_SIZE: u64 = 4096;
 /// device: while a device file is open the kernel keeps its group in the container.
 pub struct VfioPciDevice {
     name: String,
+    // Declared before `backend` so their file handles close first: the backend's drop
+    // takes the group out of the container, which the kernel refuses while one is open.
+    bars: Vec<BarInfo>,
     backend: Box<dyn VfioDeviceOps>,
     config_len: usize,
     caps: Vec<Capability>,
     firewall: Firewall,
-    bars: Vec<BarInfo>,
     msix: Option<MsixLayout>,
     msi: Option<MsiInfo>,
     interrupt_pin: Option<u8>,

@@ -11,16 +11,17 @@ use gdrvm_devices::{lock, BarInfo, ConfigOwnership, ConfigWriteEffects, Owner, P
 
 use super::config::{ConfigSpace, CONFIG_SPACE_SIZE};
 
-/// The device behind a function.
+/// The device behind a function. Fields drop in order: the BARs' file handles before the
+/// device (VFIO cannot release a group whose files are still open).
 pub struct Backend {
-    /// The device.
-    pub device: Arc<Mutex<dyn PciDevice>>,
-    /// Which configuration bytes the VMM answers and which the device does.
-    pub ownership: ConfigOwnership,
     /// Its memory BARs, as the device describes them.
     pub bars: Vec<BarInfo>,
+    /// Which configuration bytes the VMM answers and which the device does.
+    pub ownership: ConfigOwnership,
     /// Where its MSI-X capability is, if it has one (the VMM watches its control word).
     pub msix_cap: Option<usize>,
+    /// The device.
+    pub device: Arc<Mutex<dyn PciDevice>>,
 }
 
 /// A function of the segment.
