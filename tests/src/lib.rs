@@ -26,9 +26,26 @@ pub mod guests {
     pub const FLAT: &str = "flat-2cpu-1g";
     /// The minimal node: one GPU and one NIC under one switch.
     pub const MINIMAL: &str = "minimal-2cpu-1g";
+    /// vfio-lab: QEMU's e1000e x2, edu and ivshmem passed through from a lab L1.
+    pub const VFIO_LAB: &str = "vfio-lab-1cpu-1g";
+    /// vfio-lab with `p2p = false`: edu's DMA into the ivshmem BAR must not land.
+    pub const VFIO_LAB_NO_P2P: &str = "vfio-lab-no-p2p-1cpu-1g";
 }
 
-fn specs(a: &Artifacts) -> Vec<VmSpec> {
+/// vfio-lab with peer-to-peer off, written where the batch can find it (the harness
+/// carries node files into L1).
+fn no_p2p_node() -> Result<String, String> {
+    let text = gdrvm_model::node::Node::preset_text("vfio-lab").ok_or("no vfio-lab preset")?;
+    let text = text.replacen("description =", "p2p = false\ndescription =", 1);
+    let dir = gdrvm_harness::gdrvm_dir().join("e2e");
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let path = dir.join("vfio-lab-no-p2p.toml");
+    std::fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(path.display().to_string())
+}
+
+fn specs(a: &Artifacts) -> Result<Vec<VmSpec>, String> {
+    let no_p2p = no_p2p_node()?;
     let spec = |name: &str, cmdline: &str, cpus: u32, memory: &str| VmSpec {
         name: name.into(),
         vmm: Vmm::Gdrvm,
@@ -37,6 +54,8 @@ fn specs(a: &Artifacts) -> Vec<VmSpec> {
             guests::VELA_NUMA => Some("vela-a100".to_owned()),
             guests::FLAT => Some("flat".to_owned()),
             guests::MINIMAL => Some("minimal".to_owned()),
+            guests::VFIO_LAB => Some("vfio-lab".to_owned()),
+            guests::VFIO_LAB_NO_P2P => Some(no_p2p.clone()),
             _ => None,
         },
         cmdline: cmdline.into(),
@@ -45,14 +64,17 @@ fn specs(a: &Artifacts) -> Vec<VmSpec> {
         // A guest boots in 15-20 s nested; a hung one should not hold CI for long.
         timeout: Duration::from_secs(150),
     };
-    vec![
+    Ok(vec![
         spec(guests::SMOKE, "console=ttyS0 quiet panic=-1 gdrvm.suites=smoke", 2, "1G"),
         spec(guests::SMOKE_SMALL, "console=ttyS0 quiet panic=-1 gdrvm.suites=smoke", 1, "512M"),
         spec(guests::NO_INIT, "console=ttyS0 quiet panic=-1 rdinit=/no/such/init", 1, "256M"),
         spec(guests::VELA_NUMA, "console=ttyS0 quiet panic=-1 gdrvm.suites=smoke,topology", 4, "1G"),
         spec(guests::FLAT, "console=ttyS0 quiet panic=-1 gdrvm.suites=smoke,topology", 2, "1G"),
         spec(guests::MINIMAL, "console=ttyS0 quiet panic=-1 gdrvm.suites=smoke,topology", 2, "1G"),
-    ]
+        // One vCPU: see the vfio-lab preset. Both share one lab L1.
+        spec(guests::VFIO_LAB, "console=ttyS0 quiet panic=-1 gdrvm.suites=vfio,topology", 1, "1G"),
+        spec(guests::VFIO_LAB_NO_P2P, "console=ttyS0 quiet panic=-1 gdrvm.suites=vfio", 1, "1G"),
+    ])
 }
 
 /// Why the end-to-end tests cannot run, or the artifacts to run with.
@@ -71,7 +93,7 @@ fn run_batch() -> Result<Vec<VmResult>, String> {
         // GDRVM_ECHO=1 prints every console line as it arrives, for debugging a slow run.
         let mut runner = Runner::new(kind, a.clone());
         runner.echo = std::env::var_os("GDRVM_ECHO").is_some();
-        let results = runner.run(&specs(&a)).await.map_err(|e| e.to_string())?;
+        let results = runner.run(&specs(&a)?).await.map_err(|e| e.to_string())?;
         for r in &results {
             eprintln!("e2e: {}: {:?} in {:.1?}", r.name, r.outcome, r.elapsed);
         }

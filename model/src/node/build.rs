@@ -343,6 +343,7 @@ impl<'a> Builder<'a> {
                 last_bus: (self.next_bus - 1) as u8,
                 mem32: None,
                 mem64: None,
+                p2p: file.p2p && hb.p2p,
             });
         }
         Ok(host_bridges)

@@ -264,6 +264,8 @@ pub struct HostBridge {
     pub mem32: Option<Window>,
     /// Its 64-bit window above RAM.
     pub mem64: Option<Window>,
+    /// Devices below it reach other devices' BARs, and others reach theirs (peer-to-peer).
+    pub p2p: bool,
 }
 
 /// A PCI function in the tree.
@@ -345,6 +347,14 @@ pub struct Node {
     pub functions: Vec<Function>,
     /// What L1 must be in a nested run (its `[nested]` table).
     pub nested: Option<crate::l1::L1Lab>,
+}
+
+impl Node {
+    /// Whether function `i` takes part in peer-to-peer (the node's and its host bridge's
+    /// `p2p`, both on by default).
+    pub fn p2p(&self, i: usize) -> bool {
+        self.host_bridges.get(self.functions[i].host_bridge).is_some_and(|h| h.p2p)
+    }
 }
 
 impl Node {

@@ -21,6 +21,9 @@ pub struct NodeFile {
     pub endpoint: Vec<EndpointEntry>,
     /// What a nested run's L1 needs for this node (emulated devices to pass through).
     pub nested: Option<crate::l1::L1Lab>,
+    /// Peer-to-peer between devices (each one's BARs in the others' IOMMU domains).
+    #[serde(default = "yes")]
+    pub p2p: bool,
 }
 
 /// `[[numa]]`: one NUMA node; its index is its id.
@@ -41,6 +44,9 @@ pub struct HostBridgeEntry {
     pub numa: u32,
     /// First bus number; allocated after the previous bridge's buses when absent.
     pub bus: Option<u8>,
+    /// Peer-to-peer for the devices below it (off: as a host with ACS redirect, no ATS).
+    #[serde(default = "yes")]
+    pub p2p: bool,
 }
 
 /// `[[root_port]]`.

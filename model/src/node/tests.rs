@@ -342,3 +342,17 @@ fn test_lab_presets_bind_what_they_pass_through() {
         assert_eq!(crate::l1::L1Lab::of_node_text(Node::preset_text(name).unwrap()).unwrap(), None, "{name}");
     }
 }
+
+#[test]
+fn test_p2p_is_on_unless_the_node_or_its_host_bridge_says_no() {
+    let minimal = include_str!("../../presets/minimal.toml");
+    let gpu = |node: &Node| node.functions.iter().position(|f| f.name == "gpu0").unwrap();
+    let node = Node::parse("m.toml", minimal).unwrap();
+    assert!(node.p2p(gpu(&node)));
+    let off = minimal.replacen("description =", "p2p = false\ndescription =", 1);
+    let node = Node::parse("m.toml", &off).unwrap();
+    assert!(!node.p2p(gpu(&node)));
+    let off = minimal.replacen("numa = 0", "numa = 0\np2p = false", 1);
+    let node = Node::parse("m.toml", &off).unwrap();
+    assert!(!node.p2p(gpu(&node)));
+}

@@ -7,3 +7,4 @@ mod boot;
 mod nested_failure;
 mod numa;
 mod pci;
+mod vfio;

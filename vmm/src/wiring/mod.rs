@@ -172,9 +172,9 @@ impl DeviceWiring {
             };
             let id = DeviceId(i as u32);
             if let Some(target) = target {
-                // Every device may reach the others' BARs (peer-to-peer), as on a host
-                // whose switches route P2P.
-                dma.add_target(id, target, true)
+                // Peer-to-peer as the node allows it (on unless it or the host bridge
+                // says `p2p = false`).
+                dma.add_target(id, target, node.p2p(i))
                     .map_err(|e| WiringError::Backing { function: f.key.clone(), reason: format!("DMA: {e}") })?;
             }
             let (bars, layout) = {
