@@ -30,13 +30,15 @@ fn median(mut v: Vec<f64>) -> Option<f64> {
 const MIN_SAMPLES: usize = 3;
 
 /// Prints "`what`: median ... over N of M runs (each run)" and returns the median, or
-/// n/a when fewer than [`MIN_SAMPLES`] runs gave a figure.
+/// n/a when fewer than [`MIN_SAMPLES`] runs gave a figure. Figures are in seconds unless
+/// `what` names its unit (`MB/s`, a ratio).
 fn print_median(what: &str, times: &[f64], runs: usize) -> Option<f64> {
+    let unit = if what.contains("MB/s") || what.contains(" / ") { "" } else { " s" };
     let m = median(times.to_vec()).filter(|_| times.len() >= MIN_SAMPLES);
     let lost = runs - times.len().min(runs);
     println!(
         "xtask: bench: {what}: median {} over {} of {runs} runs ({}){}",
-        m.map_or(format!("n/a (fewer than {MIN_SAMPLES} samples)"), |m| format!("{m:.3} s")),
+        m.map_or(format!("n/a (fewer than {MIN_SAMPLES} samples)"), |m| format!("{m:.4}{unit}")),
         times.len(),
         times.iter().map(|t| format!("{t:.2}")).collect::<Vec<_>>().join(", "),
         if lost > 0 { format!("; {lost} sample(s) lost") } else { String::new() }
@@ -149,6 +151,76 @@ pub async fn topology(runner: &Runner, rounds: usize) -> Result<()> {
     match (medians[0], medians[1]) {
         (Some(v), Some(m)) => println!("xtask: bench: ratio vela-a100 / minimal = {:.3} (target <= 1.10)", v / m),
         _ => println!("xtask: bench: ratio n/a (a node has fewer than {MIN_SAMPLES} samples)"),
+    }
+    Ok(())
+}
+
+/// The two ways `bench vfio` reaches ivshmem's BAR, in the order each round runs them.
+const BAR_ACCESS: [&str; 2] = ["mapped", "trapped"];
+
+/// vfio-lab with every BAR of `mem0` trapped, written under `target/gdrvm/bench`.
+fn trapped_lab() -> Result<String> {
+    let text = gdrvm_model::node::Node::preset_text("vfio-lab").ok_or_else(|| anyhow::anyhow!("no vfio-lab preset"))?;
+    let text = text.replacen("name = \"mem0\"\n", "name = \"mem0\"\ntrap_bars = true\n", 1);
+    let dir = gdrvm_harness::gdrvm_dir().join("bench");
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join("vfio-lab-trapped.toml");
+    std::fs::write(&path, text)?;
+    Ok(path.display().to_string())
+}
+
+/// The figure after `key` in a diagnostic of the guest's barbench check (`ram_read 812.3 MB/s`).
+fn figure(r: &VmResult, key: &str) -> Option<f64> {
+    let suite = r.ktap.suites.iter().find(|s| s.name == "barbench")?;
+    suite
+        .cases
+        .iter()
+        .flat_map(|c| &c.diagnostics)
+        .find_map(|d| d.strip_prefix(key)?.split_whitespace().next()?.parse().ok())
+}
+
+/// Runs the VFIO BAR benchmark: in the vfio-lab L1, the guest reads ivshmem's BAR2 mapped
+/// and trapped, each against its own RAM in the same run.
+pub async fn vfio(runner: &Runner, rounds: usize) -> Result<()> {
+    if rounds < 1 {
+        bail!("--rounds must be at least 1");
+    }
+    let trapped = trapped_lab()?;
+    println!("xtask: bench vfio: {rounds} rounds of ivshmem BAR2 reads, mapped and trapped, {:?} runner", runner.kind);
+    let specs: Vec<VmSpec> = (0..rounds)
+        .flat_map(|round| {
+            let trapped = trapped.clone();
+            BAR_ACCESS.iter().map(move |access| VmSpec {
+                name: format!("{access} #{round}"),
+                vmm: Vmm::Gdrvm,
+                image: runner.artifacts.guest.clone(),
+                node: Some(if *access == "mapped" { "vfio-lab".to_owned() } else { trapped.clone() }),
+                cmdline: "console=ttyS0 quiet panic=-1 gdrvm.suites=barbench".into(),
+                cpus: 1,
+                memory: "1G".into(),
+                timeout: Duration::from_secs(180),
+            })
+        })
+        .collect();
+    let results = runner.run(&specs).await?;
+    let mut ratios = Vec::new();
+    for access in BAR_ACCESS {
+        let mine: Vec<&VmResult> = results.iter().filter(|r| r.name.starts_with(&format!("{access} #"))).collect();
+        for r in mine.iter().filter(|r| figure(r, "bar/ram").is_none()) {
+            println!("xtask: bench: {} gave no figure: {}", r.name, r.problem().unwrap_or_default());
+        }
+        let of = |key: &str| -> Vec<f64> { mine.iter().filter_map(|r| figure(r, key)).collect() };
+        print_median(&format!("{access:<8} BAR2 read MB/s"), &of("bar_read"), mine.len());
+        print_median(&format!("{access:<8} RAM read MB/s (same guest)"), &of("ram_read"), mine.len());
+        ratios.push((access, print_median(&format!("{access:<8} BAR2 / RAM"), &of("bar/ram"), mine.len())));
+    }
+    print_l1_incidents(&results);
+    match (ratios[0].1, ratios[1].1) {
+        (Some(m), Some(t)) => println!(
+            "xtask: bench: mapped BAR reads at {m:.3} of RAM speed, trapped at {t:.5}; mapped / trapped = {:.0}",
+            m / t
+        ),
+        _ => println!("xtask: bench: ratio n/a (fewer than {MIN_SAMPLES} samples of a kind)"),
     }
     Ok(())
 }

@@ -210,6 +210,13 @@ enum BenchCmd {
     /// ECAM config-access dispatch cost (criterion, no VM exit), against a lock-and-copy
     /// reference in the same process.
     Ecam,
+    /// Guest reads of a passed-through BAR (vfio-lab's ivshmem), mapped and trapped, each
+    /// against guest RAM reads in the same guest; nested, in the lab L1.
+    Vfio {
+        /// Runs of each kind (the median is reported).
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+    },
 }
 
 fn main() -> ExitCode {
@@ -238,6 +245,7 @@ fn main() -> ExitCode {
         Cmd::Bench { what: BenchCmd::Boot { rounds, runner: arg } } => bench_boot(rounds, arg),
         Cmd::Bench { what: BenchCmd::Topology { rounds, runner: arg } } => bench_topology(rounds, arg),
         Cmd::Bench { what: BenchCmd::Ecam } => bench::ecam().map(|_| exit::PASS),
+        Cmd::Bench { what: BenchCmd::Vfio { rounds } } => bench_vfio(rounds),
     };
     match code {
         Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
@@ -401,6 +409,16 @@ fn fuzz(minutes: u64) -> Result<i32> {
         println!("xtask: fuzz: node_file failed ({status}); the input is under fuzz/artifacts/node_file");
         Ok(exit::FAIL)
     }
+}
+
+fn bench_vfio(rounds: usize) -> Result<i32> {
+    let artifacts = build::artifacts()?;
+    run_interruptible(async {
+        // The lab's devices exist only in its L1.
+        let runner = runner(artifacts, RunnerArg::Nested, false).await?;
+        bench::vfio(&runner, rounds).await?;
+        Ok(exit::PASS)
+    })
 }
 
 fn bench_topology(rounds: usize, arg: RunnerArg) -> Result<i32> {

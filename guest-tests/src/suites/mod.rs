@@ -1,5 +1,6 @@
 //! Test suites the agent runs, by name.
 
+mod barbench;
 mod lspci;
 mod pci;
 mod smoke;
@@ -10,7 +11,7 @@ use crate::context::Context;
 use crate::ktap::{Check, SuiteReport, Verdict};
 
 /// Names of every suite, in the order `all` runs them.
-pub const SUITES: &[&str] = &["smoke", "topology", "vfio"];
+pub const SUITES: &[&str] = &["smoke", "topology", "vfio", "barbench"];
 
 /// What `run all` runs: the suites that only read. `vfio` drives devices (brings NICs up,
 /// sends frames, starts DMA) and runs only when named, on a node made for it.
@@ -22,6 +23,7 @@ pub fn run(name: &str, ctx: &Context) -> SuiteReport {
         "smoke" => smoke::run(ctx),
         "topology" => topology::run(ctx),
         "vfio" => vfio::run(ctx),
+        "barbench" => barbench::run(ctx),
         other => vec![Check::new(
             "suite_exists",
             Verdict::Fail(format!("no suite named '{other}' (known: {})", SUITES.join(", "))),

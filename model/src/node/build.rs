@@ -55,6 +55,7 @@ fn bridge(name: String, key: String, kind: FunctionKind, at: At, ids: (u16, u16)
         windows: None,
         backing: Backing::None,
         device_caps: None,
+        trap_bars: false,
     }
 }
 
@@ -542,6 +543,7 @@ impl<'a> Builder<'a> {
             windows: None,
             backing,
             device_caps: id.caps,
+            trap_bars: ep.trap_bars,
         };
         self.push(f);
         Ok(())

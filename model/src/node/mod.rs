@@ -313,6 +313,8 @@ pub struct Function {
     /// For a passed-through device: the capabilities it brings (the guest sees its own
     /// configuration space, not the VMM's).
     pub device_caps: Option<crate::host_pci::DeviceCaps>,
+    /// Every access to its BARs exits to the VMM, even where they could be mapped.
+    pub trap_bars: bool,
 }
 
 /// The ACS controls a node file may set, by bit of the ACS Control register (PCIe 4.0,

@@ -110,6 +110,10 @@ pub struct EndpointEntry {
     /// What stands behind the endpoint: `none`, or `vfio:<host BDF>`.
     #[serde(default = "no_backing")]
     pub backing: String,
+    /// Trap every guest access to the device's BARs instead of mapping them (to measure
+    /// the exit cost; slow).
+    #[serde(default)]
+    pub trap_bars: bool,
 }
 
 /// One memory BAR.

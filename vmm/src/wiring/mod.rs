@@ -177,10 +177,15 @@ impl DeviceWiring {
                 dma.add_target(id, target, node.p2p(i))
                     .map_err(|e| WiringError::Backing { function: f.key.clone(), reason: format!("DMA: {e}") })?;
             }
-            let (bars, layout) = {
+            let (mut bars, layout) = {
                 let d = lock(&device);
                 (d.bars(), d.msix())
             };
+            if f.trap_bars {
+                for bar in &mut bars {
+                    bar.mapping = BarMapping::Trapped;
+                }
+            }
             let mut ownership = ConfigOwnership::new(Owner::Device);
             for regs in VMM_OWNED {
                 ownership.assign(regs, Owner::Vmm);
