@@ -1,6 +1,7 @@
 //! Test suites the agent runs, by name.
 
 mod barbench;
+mod chaos;
 mod lspci;
 mod pci;
 mod smoke;
@@ -11,10 +12,11 @@ use crate::context::Context;
 use crate::ktap::{Check, SuiteReport, Verdict};
 
 /// Names of every suite, in the order `all` runs them.
-pub const SUITES: &[&str] = &["smoke", "topology", "vfio", "barbench"];
+pub const SUITES: &[&str] = &["smoke", "topology", "vfio", "barbench", "chaos"];
 
 /// What `run all` runs: the suites that only read. `vfio` drives devices (brings NICs up,
 /// sends frames, starts DMA) and runs only when named, on a node made for it.
+/// `chaos` scribbles over every PCI function on purpose and runs only when named, last.
 pub const ALL: &[&str] = &["smoke", "topology"];
 
 /// Runs the suite called `name`.
@@ -24,6 +26,7 @@ pub fn run(name: &str, ctx: &Context) -> SuiteReport {
         "topology" => topology::run(ctx),
         "vfio" => vfio::run(ctx),
         "barbench" => barbench::run(ctx),
+        "chaos" => chaos::run(ctx),
         other => vec![Check::new(
             "suite_exists",
             Verdict::Fail(format!("no suite named '{other}' (known: {})", SUITES.join(", "))),
