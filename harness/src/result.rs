@@ -109,6 +109,9 @@ pub struct GdrvmStats {
     pub setup_us: Option<u64>,
     /// Resident memory beyond guest RAM, in KiB.
     pub rss_beyond_guest_kib: Option<u64>,
+    /// Guest configuration writes passed-through devices' firewalls dropped.
+    #[serde(default)]
+    pub dropped_config_writes: u64,
 }
 
 /// Prefix of gdrvm's stats line on stderr.

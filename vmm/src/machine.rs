@@ -135,6 +135,8 @@ pub struct RunReport {
     pub rss_beyond_guest_kib: Option<u64>,
     /// MMIO accesses nothing claimed (unbacked BARs read as all-ones), counted, not fatal.
     pub unclaimed_mmio: u64,
+    /// Guest configuration writes the passed-through devices' firewalls dropped.
+    pub dropped_config_writes: u64,
 }
 
 /// Console wiring for a run.
@@ -164,7 +166,7 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
     check_address_bits(&supported_cpuid, &config.node)?;
     let mmio = Arc::new(Bus::new("mmio"));
     // Dropped when `run` returns, whatever the path: BARs leave the guest, devices reset.
-    let (pci, _devices) = wire_devices(config, &vm, &mmio, &irq, &ram.memory)?;
+    let (pci, devices) = wire_devices(config, &vm, &mmio, &irq, &ram.memory)?;
     let cpus = cpu_topology::layout(config.cpus, &config.node.numa);
     let entry = load_guest(&ram.memory, config, &cpus, initrd.as_deref())?;
     tracing::debug!(elapsed = ?started.elapsed(), "kernel, initrd and firmware loaded");
@@ -215,6 +217,7 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
         setup: threads.first_run.get().map(|t| t.duration_since(started)),
         rss_beyond_guest_kib: rss_beyond_guest_kib(),
         unclaimed_mmio: ctx.mmio.unclaimed(),
+        dropped_config_writes: devices.dropped_config_writes(),
     })
 }
 

@@ -172,10 +172,11 @@ fn run(args: RunArgs, started: Instant) -> ExitCode {
     };
     if args.stats {
         eprintln!(
-            "gdrvm-stats: {{\"setup_us\": {}, \"rss_beyond_guest_kib\": {}, \"unclaimed_mmio\": {}}}",
+            "gdrvm-stats: {{\"setup_us\": {}, \"rss_beyond_guest_kib\": {}, \"unclaimed_mmio\": {}, \"dropped_config_writes\": {}}}",
             report.setup.map_or("null".into(), |d| d.as_micros().to_string()),
             report.rss_beyond_guest_kib.map_or("null".into(), |v| v.to_string()),
             report.unclaimed_mmio,
+            report.dropped_config_writes,
         );
     }
     match (report.outcome, report.status) {

@@ -38,6 +38,11 @@ pub trait PciDevice: Send {
         let _ = vectors;
         Ok(())
     }
+    /// Configuration writes the device refused to pass on (a passed-through device's
+    /// firewall), since it was opened.
+    fn dropped_config_writes(&self) -> u64 {
+        0
+    }
     /// Resets the device (FLR or its own reset) before the guest starts and after it stops.
     fn reset(&mut self) -> Result<(), DeviceError> {
         Ok(())

@@ -207,6 +207,10 @@ impl VfioPciDevice {
 }
 
 impl PciDevice for VfioPciDevice {
+    fn dropped_config_writes(&self) -> u64 {
+        self.firewall.dropped()
+    }
+
     fn config_read(&mut self, reg: usize, data: &mut [u8]) {
         data.fill(0xff);
         let len = self.config_len.saturating_sub(reg).min(data.len());

@@ -224,6 +224,11 @@ impl DeviceWiring {
         }
     }
 
+    /// Configuration writes the devices' firewalls dropped, over all devices.
+    pub fn dropped_config_writes(&self) -> u64 {
+        self.wired.values().map(|w| lock(&lock(w).device).dropped_config_writes()).sum()
+    }
+
     /// The DMA space, for DMA targets (a VFIO container) to join.
     pub fn dma(&self) -> &Mutex<DmaSpace> {
         &self.dma
