@@ -67,3 +67,21 @@ fn test_without_p2p_the_dma_into_another_devices_bar_does_not_land() {
     assert_eq!(outcome, CaseOutcome::Fail, "{text}");
     assert!(text.contains("did not land") || text.contains("all-ones"), "{text}");
 }
+
+#[test]
+fn test_chaos_on_every_register_ends_with_the_guests_own_verdict() {
+    let r = match result(guests::VFIO_LAB_CHAOS) {
+        Ok(r) => r,
+        Err(why) => return skip("test_chaos_on_every_register_ends_with_the_guests_own_verdict", &why),
+    };
+    let dump = format!("{:?} {:?}\n{}", r.outcome, r.problem(), r.tail().join("\n"));
+    // The VMM neither crashed nor hung: the guest reported and powered off.
+    assert_eq!(r.outcome, VmOutcome::Exited(0), "{dump}");
+    let chaos = suite(&r, "chaos");
+    let (outcome, text) = diagnostics(&chaos, "vmm_answers");
+    assert_eq!(outcome, CaseOutcome::Pass, "{text}");
+    assert_eq!(diagnostics(&chaos, "guest_alive").0, CaseOutcome::Pass, "{dump}");
+    // The passed-through devices' firewalls turned writes away, and said how many.
+    let stats = r.stats.expect("gdrvm's stats line");
+    assert!(stats.dropped_config_writes > 0, "{stats:?}");
+}
