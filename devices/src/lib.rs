@@ -33,7 +33,8 @@ pub use i8042::I8042;
 pub use pci::regs as pci_regs;
 pub use pci::{
     BarChange, BarInfo, BarMapping, ConfigOwnership, ConfigWriteEffects, DeviceError, Fire, MsiCapability, MsiEvent,
-    MsiMessage, MsixControl, MsixEvent, MsixLayout, MsixTable, Owner, PciDevice, MSIX_MAX_VECTORS, MSI_MAX_VECTORS,
+    MsiInfo, MsiMessage, MsixControl, MsixEvent, MsixLayout, MsixTable, Owner, PciDevice, MSIX_MAX_VECTORS,
+    MSI_MAX_VECTORS,
 };
 pub use serial::{Serial, SerialInput, COM1_IRQ, COM1_LEN, COM1_PORT};
 pub use sleep::{
@@ -41,6 +42,6 @@ pub use sleep::{
 };
 pub use sync::lock;
 pub use vfio::{
-    check_host, open_container, Capability, CapabilityId, ConfigWrites, HostCheck, IrqKind, MsiInfo, RegionInfo,
-    VfioContainer, VfioContainerOps, VfioDeviceFd, VfioDeviceOps, VfioDmaTarget, VfioError, VfioOptions, VfioPciDevice,
+    check_host, open_container, Capability, CapabilityId, ConfigWrites, HostCheck, IrqKind, RegionInfo, VfioContainer,
+    VfioContainerOps, VfioDeviceFd, VfioDeviceOps, VfioDmaTarget, VfioError, VfioOptions, VfioPciDevice,
 };

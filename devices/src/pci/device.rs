@@ -38,6 +38,17 @@ pub trait PciDevice: Send {
         let _ = vectors;
         Ok(())
     }
+    /// The device's MSI capability, if it has one: the VMM emulates it (for every device
+    /// kind alike) and connects the vectors the guest enables.
+    fn msi(&self) -> Option<MsiInfo> {
+        None
+    }
+    /// Connects the device's MSI vectors to `vectors` (one eventfd per enabled vector), or
+    /// disconnects them (`None`).
+    fn connect_msi(&mut self, vectors: Option<&[&EventFd]>) -> Result<(), DeviceError> {
+        let _ = vectors;
+        Ok(())
+    }
     /// Configuration writes the device refused to pass on (a passed-through device's
     /// firewall), since it was opened.
     fn dropped_config_writes(&self) -> u64 {
@@ -60,6 +71,19 @@ pub struct MsixLayout {
     pub table: (u8, u64),
     /// BAR holding the pending-bit array, and its offset in it.
     pub pba: (u8, u64),
+}
+
+/// The device's MSI capability.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MsiInfo {
+    /// Offset of the capability in configuration space.
+    pub cap: usize,
+    /// Vectors offered (Multiple Message Capable), 1 to 32.
+    pub vectors: u8,
+    /// 64-bit message address.
+    pub is_64bit: bool,
+    /// Per-vector masking.
+    pub per_vector_mask: bool,
 }
 
 /// One memory BAR a device offers.

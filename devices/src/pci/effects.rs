@@ -29,6 +29,8 @@ pub struct ConfigWriteEffects {
     pub bus_master: Option<bool>,
     /// The MSI-X capability's enable or function-mask bit changed: the new state.
     pub msix: Option<MsixControl>,
+    /// What the write to the (VMM-emulated) MSI capability asked for.
+    pub msi: Vec<crate::pci::MsiEvent>,
 }
 
 /// A BAR's live address before and after a write; `None` when it decodes nothing.
@@ -82,6 +84,7 @@ impl ConfigWriteEffects {
             memory_decode: changed(PCI_COMMAND_MEMORY),
             bus_master: changed(PCI_COMMAND_MASTER),
             msix,
+            msi: Vec::new(),
         }
     }
 

@@ -3,6 +3,7 @@
 //! wire interrupts. The lists are the device's, so every walk is bounded: a pointer loop,
 //! a pointer into the header or past the end ends the list, never the VMM.
 
+use crate::pci::MsiInfo;
 use crate::pci::MsixLayout;
 use crate::pci_regs::*;
 
@@ -37,19 +38,6 @@ impl Capability {
     pub fn contains(&self, reg: usize) -> bool {
         (self.offset..self.offset + self.len).contains(&reg)
     }
-}
-
-/// The device's MSI capability.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MsiInfo {
-    /// Offset of the capability in configuration space.
-    pub cap: usize,
-    /// Vectors offered (Multiple Message Capable), 1 to 32.
-    pub vectors: u8,
-    /// 64-bit message address.
-    pub is_64bit: bool,
-    /// Per-vector masking.
-    pub per_vector_mask: bool,
 }
 
 /// The capabilities in `config` (a configuration space image from register 0; 256 bytes

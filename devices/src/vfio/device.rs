@@ -16,9 +16,10 @@ use vfio_bindings::bindings::vfio::VFIO_PCI_CONFIG_REGION_INDEX;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::backend::{IrqKind, RegionInfo, VfioDeviceOps};
-use super::caps::{self, msix_pba_len, msix_table_len, read32, Capability, MsiInfo};
+use super::caps::{self, msix_pba_len, msix_table_len, read32, Capability};
 use super::error::VfioError;
 use super::firewall::{ConfigWrites, Firewall};
+use crate::pci::MsiInfo;
 use crate::pci::{BarInfo, BarMapping, DeviceError, MsixLayout, PciDevice};
 use crate::pci_regs::*;
 
@@ -207,6 +208,21 @@ impl VfioPciDevice {
 }
 
 impl PciDevice for VfioPciDevice {
+    fn msi(&self) -> Option<MsiInfo> {
+        self.msi
+    }
+
+    fn connect_msi(&mut self, vectors: Option<&[&EventFd]>) -> Result<(), DeviceError> {
+        let result = match vectors {
+            Some(fds) => self.enable_msi(fds),
+            None => self.disable_irqs(IrqKind::Msi),
+        };
+        result.map_err(|e| DeviceError::Interrupts {
+            what: if vectors.is_some() { "connected" } else { "disconnected" },
+            source: std::io::Error::other(e.to_string()),
+        })
+    }
+
     fn dropped_config_writes(&self) -> u64 {
         self.firewall.dropped()
     }

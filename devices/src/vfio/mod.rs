@@ -20,7 +20,7 @@ mod host;
 mod open;
 
 pub use backend::{IrqKind, RegionInfo, VfioContainerOps, VfioDeviceOps};
-pub use caps::{Capability, CapabilityId, MsiInfo};
+pub use caps::{Capability, CapabilityId};
 pub use device::VfioPciDevice;
 pub use dma::VfioDmaTarget;
 pub use error::VfioError;

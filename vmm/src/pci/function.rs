@@ -7,7 +7,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use gdrvm_devices::{lock, BarInfo, ConfigOwnership, ConfigWriteEffects, Owner, PciDevice};
+use gdrvm_devices::{lock, BarInfo, ConfigOwnership, ConfigWriteEffects, MsiCapability, Owner, PciDevice};
 
 use super::config::{ConfigSpace, CONFIG_SPACE_SIZE};
 
@@ -20,6 +20,9 @@ pub struct Backend {
     pub ownership: ConfigOwnership,
     /// Where its MSI-X capability is, if it has one (the VMM watches its control word).
     pub msix_cap: Option<usize>,
+    /// Its MSI capability, emulated by the VMM at the device's offset (those bytes are the
+    /// VMM's in `ownership`).
+    pub msi: Option<(usize, MsiCapability)>,
     /// The device.
     pub device: Arc<Mutex<dyn PciDevice>>,
 }
@@ -49,16 +52,19 @@ impl PciFunction {
         }
         for (owner, run) in backend.ownership.split(reg, data.len()) {
             let at = reg + run.start;
-            match owner {
-                Owner::Vmm => self.config.read(at, &mut data[run]),
-                Owner::Device => lock(&backend.device).config_read(at, &mut data[run]),
+            match (owner, &backend.msi) {
+                (Owner::Vmm, Some((cap, msi))) if (*cap..cap + msi.len()).contains(&at) => {
+                    msi.read(at - cap, &mut data[run]);
+                }
+                (Owner::Vmm, _) => self.config.read(at, &mut data[run]),
+                (Owner::Device, _) => lock(&backend.device).config_read(at, &mut data[run]),
             }
         }
     }
 
     /// Writes `data` at `reg` and returns what the write changed for the machine.
     pub fn write(&mut self, reg: usize, data: &[u8]) -> ConfigWriteEffects {
-        let Some(backend) = &self.backend else {
+        let Some(backend) = &mut self.backend else {
             self.config.write(reg, data);
             return ConfigWriteEffects::default();
         };
@@ -67,12 +73,20 @@ impl PciFunction {
         }
         let before = self.config.bytes().to_vec();
         self.config.write(reg, data);
+        let mut msi_events = Vec::new();
         for (owner, run) in backend.ownership.split(reg, data.len()) {
-            if owner == Owner::Device {
-                lock(&backend.device).config_write(reg + run.start, &data[run]);
+            let at = reg + run.start;
+            match (owner, &mut backend.msi) {
+                (Owner::Device, _) => lock(&backend.device).config_write(at, &data[run]),
+                (Owner::Vmm, Some((cap, msi))) if (*cap..*cap + msi.len()).contains(&at) => {
+                    msi_events.extend(msi.write(at - *cap, &data[run]));
+                }
+                (Owner::Vmm, _) => {}
             }
         }
-        ConfigWriteEffects::between(&before, self.config.bytes(), &backend.bars, backend.msix_cap)
+        let mut effects = ConfigWriteEffects::between(&before, self.config.bytes(), &backend.bars, backend.msix_cap);
+        effects.msi = msi_events;
+        effects
     }
 
     /// The device behind the function, if any.

@@ -6,6 +6,7 @@
 
 mod bars;
 mod memslots;
+mod msi;
 mod msix;
 
 use std::collections::BTreeMap;
@@ -14,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use gdrvm_devices::pci_regs::{PCI_COMMAND, PCI_COMMAND_MEMORY};
 use gdrvm_devices::{
     lock, BarInfo, BarMapping, Bus, ConfigOwnership, ConfigWriteEffects, DeviceId, DmaRegion, DmaSpace, DmaTarget,
-    Owner, PciDevice,
+    MsiCapability, Owner, PciDevice,
 };
 use gdrvm_devices::{open_container, ConfigWrites, VfioDmaTarget, VfioOptions, VfioPciDevice};
 use gdrvm_model::host_pci::HostPci;
@@ -24,6 +25,7 @@ use crate::irq::{GsiRouter, IrqError};
 use crate::pci::{ApplyEffects, Backend, ConfigSpace, PciFunction, PciSegment};
 use bars::{split, BarTrap};
 use memslots::{DeviceMemory, MemorySlots};
+use msi::MsiState;
 use msix::MsixState;
 
 pub use memslots::{MemorySink, MemslotError};
@@ -84,6 +86,7 @@ struct Wired {
     memory: BTreeMap<u8, DeviceMemory>,
     bars: Vec<BarInfo>,
     msix: Option<Arc<MsixState>>,
+    msi: Option<MsiState>,
     device: Arc<Mutex<dyn PciDevice>>,
 }
 
@@ -177,9 +180,9 @@ impl DeviceWiring {
                 dma.add_target(id, target, node.p2p(i))
                     .map_err(|e| WiringError::Backing { function: f.key.clone(), reason: format!("DMA: {e}") })?;
             }
-            let (mut bars, layout) = {
+            let (mut bars, layout, msi_info) = {
                 let d = lock(&device);
-                (d.bars(), d.msix())
+                (d.bars(), d.msix(), d.msi())
             };
             if f.trap_bars {
                 for bar in &mut bars {
@@ -202,10 +205,27 @@ impl DeviceWiring {
                     memory.insert(bar.index, mem);
                 }
             }
-            let backend =
-                Backend { device: device.clone(), ownership, bars: bars.clone(), msix_cap: layout.map(|l| l.cap) };
+            // MSI is the VMM's: it answers the capability and connects the vectors.
+            let emulated_msi = msi_info.map(|info| {
+                let mut next = [0u8];
+                lock(&device).config_read(info.cap + 1, &mut next);
+                let cap = MsiCapability::new(info.vectors, info.is_64bit, info.per_vector_mask, next[0]);
+                ownership.assign(info.cap..info.cap + cap.len(), Owner::Vmm);
+                (info.cap, cap)
+            });
+            let msi = msi_info
+                .map(|info| MsiState::new(info.vectors, device.clone(), parts.irq.clone()))
+                .transpose()
+                .map_err(|source| WiringError::Irq { function: f.key.clone(), source })?;
+            let backend = Backend {
+                device: device.clone(),
+                ownership,
+                bars: bars.clone(),
+                msix_cap: layout.map(|l| l.cap),
+                msi: emulated_msi,
+            };
             functions.push(PciFunction::backed(ConfigSpace::for_passthrough(node, i, backend.msix_cap), backend));
-            let w = Wired { key: f.key.clone(), id, placed: BTreeMap::new(), memory, bars, msix, device };
+            let w = Wired { key: f.key.clone(), id, placed: BTreeMap::new(), memory, bars, msix, msi, device };
             wired.insert(i, Mutex::new(w));
         }
         let slots = MemorySlots::new(parts.memory.clone(), KVM_SLOTS);
@@ -333,6 +353,9 @@ impl ApplyEffects for DeviceWiring {
         }
         if let (Some(control), Some(m)) = (effects.msix, &w.msix) {
             m.control(control);
+        }
+        if let (false, Some(m)) = (effects.msi.is_empty(), &w.msi) {
+            m.apply(&effects.msi);
         }
     }
 }

@@ -6,7 +6,8 @@ use std::sync::{Arc, Mutex};
 
 use gdrvm_devices::pci_regs::*;
 use gdrvm_devices::{
-    lock, BarInfo, BarMapping, Bus, DeviceError, DeviceId, DmaError, DmaRegion, DmaTarget, MsixLayout, PciDevice,
+    lock, BarInfo, BarMapping, Bus, DeviceError, DeviceId, DmaError, DmaRegion, DmaTarget, MsiInfo, MsixLayout,
+    PciDevice,
 };
 use gdrvm_model::host_pci::HostBdf;
 use gdrvm_model::node::{Backing, Node};
@@ -25,6 +26,7 @@ struct Seen {
     config_writes: Vec<(usize, Vec<u8>)>,
     bar_reads: Vec<(u8, u64)>,
     connected: Vec<Option<usize>>,
+    msi_connected: Vec<Option<usize>>,
     dma: Vec<(bool, u64, u64)>,
 }
 
@@ -79,6 +81,8 @@ struct FakeNic {
 }
 
 const MSIX: MsixLayout = MsixLayout { cap: 0x70, vectors: 4, table: (0, 0), pba: (0, 0x800) };
+/// Where the fake's MSI capability is (the VMM emulates it there).
+const MSI_CAP: usize = 0x50;
 
 impl PciDevice for FakeNic {
     fn config_read(&mut self, _reg: usize, data: &mut [u8]) {
@@ -101,6 +105,13 @@ impl PciDevice for FakeNic {
     }
     fn connect_msix(&mut self, vectors: Option<&[&EventFd]>) -> Result<(), DeviceError> {
         lock(&self.seen).connected.push(vectors.map(<[_]>::len));
+        Ok(())
+    }
+    fn msi(&self) -> Option<MsiInfo> {
+        Some(MsiInfo { cap: MSI_CAP, vectors: 4, is_64bit: true, per_vector_mask: false })
+    }
+    fn connect_msi(&mut self, vectors: Option<&[&EventFd]>) -> Result<(), DeviceError> {
+        lock(&self.seen).msi_connected.push(vectors.map(<[_]>::len));
         Ok(())
     }
 }
@@ -252,4 +263,35 @@ fn test_msix_table_writes_become_routes_and_enable_connects_the_device() {
     assert!(lock(&m.seen).bar_reads.is_empty());
     m.config_write(flags, &0u16.to_le_bytes());
     assert_eq!(lock(&m.seen).connected, [Some(4), None]);
+}
+
+#[test]
+fn test_msi_is_the_vmms_and_enable_connects_the_vectors_it_grants() {
+    let m = machine();
+    let bdf = m.node.functions[m.nic].bdf;
+    let read16 = |reg: usize| {
+        let mut b = [0u8; 2];
+        m.pci.read(bdf.bus, bdf.device << 3 | bdf.function, reg, &mut b);
+        u16::from_le_bytes(b)
+    };
+    // The emulated capability: MSI, 64-bit, four vectors offered (Multiple Message Capable 2).
+    assert_eq!(read16(MSI_CAP) & 0xff, u16::from(PCI_CAP_ID_MSI));
+    let flags = read16(MSI_CAP + PCI_MSI_FLAGS);
+    assert_eq!((flags & PCI_MSI_FLAGS_64BIT != 0, (flags & PCI_MSI_FLAGS_QMASK) >> 1), (true, 2));
+    // Linux: address, data, then enable with two vectors (Multiple Message Enable 1).
+    m.config_write(MSI_CAP + PCI_MSI_ADDRESS_LO, &0xfee0_2000u32.to_le_bytes());
+    m.config_write(MSI_CAP + PCI_MSI_ADDRESS_HI, &0u32.to_le_bytes());
+    m.config_write(MSI_CAP + PCI_MSI_DATA_64, &0x4052u16.to_le_bytes());
+    m.config_write(MSI_CAP + PCI_MSI_FLAGS, &(PCI_MSI_FLAGS_ENABLE | 1 << 4).to_le_bytes());
+    assert_eq!(lock(&m.seen).msi_connected, [Some(2)]);
+    let table = lock(&m.seen).routes.last().cloned().unwrap();
+    // SAFETY: MSI entries' unions hold the `msi` member.
+    let mut data: Vec<u32> =
+        table.iter().filter(|e| e.type_ == KVM_IRQ_ROUTING_MSI).map(|e| unsafe { e.u.msi.data }).collect();
+    data.sort();
+    assert_eq!(data, [0x4052, 0x4053], "vector i sends data + i");
+    // The device never saw the capability's registers.
+    assert!(!lock(&m.seen).config_writes.iter().any(|(reg, _)| (MSI_CAP..MSI_CAP + 14).contains(reg)));
+    m.config_write(MSI_CAP + PCI_MSI_FLAGS, &0u16.to_le_bytes());
+    assert_eq!(lock(&m.seen).msi_connected, [Some(2), None]);
 }
