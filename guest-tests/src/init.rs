@@ -77,11 +77,31 @@ pub fn report(names: &[String], ctx: &Context) -> u8 {
     u8::from(!reports.iter().all(|r| r.passed()))
 }
 
-/// Loads the image's modules; returns the errors of required ones. Optional modules that
-/// fail (hardware-specific ones on other hardware) are only logged.
+/// The parameters the kernel command line gives module `name` (`name.param=value` words,
+/// as modprobe passes them), in `param=value` form. Dashes and underscores in the module
+/// name are the same.
+fn module_params(cmdline: &str, name: &str) -> String {
+    let name = name.replace('-', "_");
+    cmdline
+        .split_whitespace()
+        .filter_map(|w| {
+            let (module, param) = w.split_once('.')?;
+            (module.replace('-', "_") == name && param.contains('=')).then_some(param)
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Loads the image's modules, each with its parameters from the kernel command line;
+/// returns the errors of required ones. Optional modules that fail (hardware-specific
+/// ones on other hardware) are only logged.
 fn load_modules(ctx: &Context) -> Vec<String> {
     let Some(image) = &ctx.image else { return Vec::new() };
-    let load = |m: &String| sys::load_module(Path::new(m)).err().map(|e| format!("cannot load {m}: {e}"));
+    let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
+    let load = |m: &String| {
+        let name = Path::new(m).file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        sys::load_module(Path::new(m), &module_params(&cmdline, &name)).err().map(|e| format!("cannot load {m}: {e}"))
+    };
     let errors = image.modules.iter().filter_map(load).collect();
     for e in image.optional_modules.iter().filter_map(load) {
         println!("# gdrvm-agent: {e} (optional)");
@@ -122,6 +142,10 @@ mod tests {
         let o = InitOptions::from_cmdline("console=ttyS0 quiet gdrvm.suites=smoke,topology panic=-1");
         assert_eq!(o, InitOptions { suites: vec!["smoke".into(), "topology".into()], shell: false, l1: false });
         assert!(InitOptions::from_cmdline("console=ttyS0 gdrvm.l1").l1);
+        let cmdline = "quiet e1000e.IntMode=0,0 e1000e.debug=3 vfio-pci.ids=1234:11e8 gdrvm.suites=vfio";
+        assert_eq!(module_params(cmdline, "e1000e"), "IntMode=0,0 debug=3");
+        assert_eq!(module_params(cmdline, "vfio_pci"), "ids=1234:11e8");
+        assert_eq!(module_params(cmdline, "virtio_net"), "");
         let o = InitOptions::from_cmdline("quiet gdrvm.shell");
         assert!(o.shell);
         assert_eq!(o.suites, vec!["smoke".to_string()]);

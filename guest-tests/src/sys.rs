@@ -22,11 +22,11 @@ pub fn mount(source: &str, target: &str, fstype: &str) -> io::Result<()> {
     }
 }
 
-/// Loads a kernel module file with finit_module(2).
-pub fn load_module(path: &Path) -> io::Result<()> {
+/// Loads a kernel module file with finit_module(2), with `params` (`name=value ...`).
+pub fn load_module(path: &Path, params: &str) -> io::Result<()> {
     let file = File::open(path)?;
-    let params = cstr("")?;
-    // SAFETY: the fd is open for the call and `params` is a valid empty C string.
+    let params = cstr(params)?;
+    // SAFETY: the fd is open for the call and `params` is a valid C string.
     let rc = unsafe { libc::syscall(libc::SYS_finit_module, file.as_raw_fd(), params.as_ptr(), 0) };
     match rc {
         0 => Ok(()),

@@ -30,6 +30,8 @@ pub mod guests {
     pub const VFIO_LAB: &str = "vfio-lab-1cpu-1g";
     /// vfio-lab with `p2p = false`: edu's DMA into the ivshmem BAR must not land.
     pub const VFIO_LAB_NO_P2P: &str = "vfio-lab-no-p2p-1cpu-1g";
+    /// vfio-lab with e1000e on legacy INTx (`e1000e.IntMode=0,0`).
+    pub const VFIO_LAB_INTX: &str = "vfio-lab-intx-1cpu-1g";
     /// vfio-lab under the chaos suite: random config and BAR writes, then the guest's verdict.
     pub const VFIO_LAB_CHAOS: &str = "vfio-lab-chaos-1cpu-1g";
 }
@@ -56,7 +58,7 @@ fn specs(a: &Artifacts) -> Result<Vec<VmSpec>, String> {
             guests::VELA_NUMA => Some("vela-a100".to_owned()),
             guests::FLAT => Some("flat".to_owned()),
             guests::MINIMAL => Some("minimal".to_owned()),
-            guests::VFIO_LAB | guests::VFIO_LAB_CHAOS => Some("vfio-lab".to_owned()),
+            guests::VFIO_LAB | guests::VFIO_LAB_INTX | guests::VFIO_LAB_CHAOS => Some("vfio-lab".to_owned()),
             guests::VFIO_LAB_NO_P2P => Some(no_p2p.clone()),
             _ => None,
         },
@@ -76,6 +78,7 @@ fn specs(a: &Artifacts) -> Result<Vec<VmSpec>, String> {
         // One vCPU: see the vfio-lab preset. Both share one lab L1.
         spec(guests::VFIO_LAB, "console=ttyS0 quiet panic=-1 gdrvm.suites=vfio,topology", 1, "1G"),
         spec(guests::VFIO_LAB_NO_P2P, "console=ttyS0 quiet panic=-1 gdrvm.suites=vfio", 1, "1G"),
+        spec(guests::VFIO_LAB_INTX, "console=ttyS0 quiet panic=-1 gdrvm.suites=vfio e1000e.IntMode=0,0", 1, "1G"),
         // A fixed seed, so that a failure replays; last, since it leaves devices in odd
         // states (gdrvm resets them before the next guest).
         spec(

@@ -230,8 +230,33 @@ fn system_bus_device(sink: &mut dyn acpi_tables::AmlSink, name: &str, hid: &str,
     .to_aml_bytes(sink);
 }
 
+/// The IOAPIC input of legacy INTx `pin` (0 = INTA .. 3 = INTD) of root-bus slot `slot`:
+/// eight shared level-triggered lines, GSIs 16-23, spread over slots and pins as QEMU's
+/// q35 does. Devices behind bridges reach them through the standard swizzle.
+pub fn intx_gsi(slot: u8, pin: u8) -> u32 {
+    16 + (u32::from(slot) + u32::from(pin)) % 8
+}
+
+/// `_PRT`: every slot's four INTx pins to their IOAPIC inputs ([`intx_gsi`]).
+struct RoutingTable;
+
+impl Aml for RoutingTable {
+    fn to_aml_bytes(&self, sink: &mut dyn acpi_tables::AmlSink) {
+        let mut table = aml::PackageBuilder::new();
+        for slot in 0..32u8 {
+            for pin in 0..4u8 {
+                // (address: slot in the high word, any function; pin; no link device; GSI)
+                let address = u32::from(slot) << 16 | 0xffff;
+                let gsi = intx_gsi(slot, pin);
+                table.add_element(&aml::Package::new(vec![&address, &pin, &0u8, &gsi]));
+            }
+        }
+        aml::Name::new("_PRT".into(), &table).to_aml_bytes(sink);
+    }
+}
+
 /// A PCI Express host bridge (PNP0A08, compatible PNP0A03) with its segment, root bus,
-/// NUMA node and windows, like QEMU's pxb-pcie.
+/// NUMA node, windows and INTx routing, like QEMU's pxb-pcie.
 struct PciHostBridge<'a> {
     uid: u32,
     hb: &'a HostBridge,
@@ -275,6 +300,7 @@ impl Aml for PciHostBridge<'_> {
                     &aml::Name::new("_BBN".into(), &bbn),
                     &aml::Name::new("_PXM".into(), &pxm),
                     &aml::Name::new("_CRS".into(), &crs),
+                    &RoutingTable,
                 ],
             )],
         )

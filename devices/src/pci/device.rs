@@ -49,6 +49,18 @@ pub trait PciDevice: Send {
         let _ = vectors;
         Ok(())
     }
+    /// The legacy INTx pin the device raises (1 = INTA to 4 = INTD), if it has one.
+    fn intx_pin(&self) -> Option<u8> {
+        None
+    }
+    /// Connects the device's INTx to `lines` (trigger: assert the pin; resample: the
+    /// guest's EOI, where a still-pending device asserts again), or disconnects it (`None`).
+    /// Only one interrupt mode is connected at a time: the VMM disconnects INTx before it
+    /// connects MSI or MSI-X, and connects it again when they go off.
+    fn connect_intx(&mut self, lines: Option<(&EventFd, &EventFd)>) -> Result<(), DeviceError> {
+        let _ = lines;
+        Ok(())
+    }
     /// Configuration writes the device refused to pass on (a passed-through device's
     /// firewall), since it was opened.
     fn dropped_config_writes(&self) -> u64 {

@@ -208,6 +208,21 @@ impl VfioPciDevice {
 }
 
 impl PciDevice for VfioPciDevice {
+    fn intx_pin(&self) -> Option<u8> {
+        self.interrupt_pin
+    }
+
+    fn connect_intx(&mut self, lines: Option<(&EventFd, &EventFd)>) -> Result<(), DeviceError> {
+        let result = match lines {
+            Some((trigger, resample)) => self.enable_intx(trigger, resample),
+            None => self.disable_irqs(IrqKind::Intx),
+        };
+        result.map_err(|e| DeviceError::Interrupts {
+            what: if lines.is_some() { "connected" } else { "disconnected" },
+            source: std::io::Error::other(e.to_string()),
+        })
+    }
+
     fn msi(&self) -> Option<MsiInfo> {
         self.msi
     }

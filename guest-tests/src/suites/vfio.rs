@@ -109,9 +109,25 @@ struct Nic {
 }
 
 impl Nic {
+    /// Its MSI/MSI-X vectors, or its legacy INTx line when it has none.
     fn irqs(&self) -> Vec<u32> {
-        pcidev::msi_irqs(&self.dir).into_iter().map(|(irq, _)| irq).collect()
+        let msi: Vec<u32> = pcidev::msi_irqs(&self.dir).into_iter().map(|(irq, _)| irq).collect();
+        if !msi.is_empty() {
+            return msi;
+        }
+        legacy_irq(&self.dir).into_iter().collect()
     }
+}
+
+/// The legacy (INTx) IRQ Linux routed for the function in `dir` (sysfs `irq`), if any.
+fn legacy_irq(dir: &Path) -> Option<u32> {
+    read_trimmed(&dir.join("irq")).and_then(|i| i.parse().ok()).filter(|&i| i != 0)
+}
+
+/// Whether the kernel command line asks e1000e for legacy interrupts (`e1000e.IntMode=0`).
+fn e1000e_wants_intx(ctx: &Context) -> bool {
+    read_trimmed(&ctx.path("/proc/cmdline"))
+        .is_some_and(|c| c.split_whitespace().any(|w| w.starts_with("e1000e.IntMode=0")))
 }
 
 /// The network interface of the PCI function in `dir` (`net/<name>`).
@@ -160,7 +176,10 @@ fn e1000e_bound(ctx: &Context) -> (Check, Vec<Nic>) {
             problems.push(format!("{bdf} is bound to {}", driver.as_deref().unwrap_or("no driver")));
         }
         if msix.is_empty() {
-            problems.push(format!("{bdf} has no MSI-X vectors in msi_irqs/"));
+            match legacy_irq(&dir) {
+                Some(irq) if e1000e_wants_intx(ctx) => notes.push(format!("{bdf}: legacy INTx on IRQ {irq}, as asked")),
+                _ => problems.push(format!("{bdf} has no MSI-X vectors in msi_irqs/")),
+            }
         }
         let Some(netdev) = netdev else {
             problems.push(format!("{bdf} has no network interface"));

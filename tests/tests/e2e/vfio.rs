@@ -85,3 +85,22 @@ fn test_chaos_on_every_register_ends_with_the_guests_own_verdict() {
     let stats = r.stats.expect("gdrvm's stats line");
     assert!(stats.dropped_config_writes > 0, "{stats:?}");
 }
+
+#[test]
+fn test_legacy_intx_reaches_the_guest_through_the_routing_table() {
+    let r = match result(guests::VFIO_LAB_INTX) {
+        Ok(r) => r,
+        Err(why) => return skip("test_legacy_intx_reaches_the_guest_through_the_routing_table", &why),
+    };
+    let dump = format!("{:?} {:?}\n{}", r.outcome, r.problem(), r.tail().join("\n"));
+    assert_eq!(r.outcome, VmOutcome::Exited(0), "{dump}");
+    let vfio = suite(&r, "vfio");
+    // e1000e on INTx: the device's pin, swizzled to the root port, through _PRT to an
+    // IOAPIC input, a KVM irqfd with resample, and VFIO's INTx eventfds.
+    let (outcome, text) = diagnostics(&vfio, "e1000e_bound");
+    assert_eq!(outcome, CaseOutcome::Pass, "{text}");
+    assert_eq!(text.matches("legacy INTx on IRQ").count(), 2, "{text}");
+    let (outcome, text) = diagnostics(&vfio, "e1000e_frames");
+    assert_eq!(outcome, CaseOutcome::Pass, "{text}");
+    assert_eq!(text.matches("8/8 frames received").count(), 2, "{text}");
+}

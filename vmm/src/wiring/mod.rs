@@ -15,13 +15,13 @@ use std::sync::{Arc, Mutex};
 use gdrvm_devices::pci_regs::{PCI_COMMAND, PCI_COMMAND_MEMORY};
 use gdrvm_devices::{
     lock, BarInfo, BarMapping, Bus, ConfigOwnership, ConfigWriteEffects, DeviceId, DmaRegion, DmaSpace, DmaTarget,
-    MsiCapability, Owner, PciDevice,
+    MsiCapability, MsiEvent, Owner, PciDevice,
 };
 use gdrvm_devices::{open_container, ConfigWrites, VfioDmaTarget, VfioOptions, VfioPciDevice};
 use gdrvm_model::host_pci::HostPci;
 use gdrvm_model::node::{Backing, Node};
 
-use crate::irq::{GsiRouter, IrqError};
+use crate::irq::{GsiRouter, IntxLine, IrqError};
 use crate::pci::{ApplyEffects, Backend, ConfigSpace, PciFunction, PciSegment};
 use bars::{split, BarTrap};
 use memslots::{DeviceMemory, MemorySlots};
@@ -87,7 +87,33 @@ struct Wired {
     bars: Vec<BarInfo>,
     msix: Option<Arc<MsixState>>,
     msi: Option<MsiState>,
+    /// The device's INTx line, connected while neither MSI nor MSI-X is on.
+    intx: Option<IntxLine>,
     device: Arc<Mutex<dyn PciDevice>>,
+}
+
+impl Wired {
+    /// Connects (or disconnects) the device's INTx line, if it has one.
+    fn connect_intx(&self, on: bool) {
+        let Some(line) = &self.intx else { return };
+        let lines = on.then(|| (line.trigger(), line.resample()));
+        if let Err(e) = lock(&self.device).connect_intx(lines) {
+            tracing::warn!("{}: INTx: {e}", self.key);
+        }
+    }
+}
+
+/// The IOAPIC input that INTx `pin` (1 = INTA) of function `i` reaches: swizzled up
+/// through every bridge to the root bus (as the PCI-to-PCI bridge spec and Linux do), then
+/// routed as the host bridge's `_PRT` says.
+fn intx_gsi(node: &Node, i: usize, pin: u8) -> u32 {
+    let mut pin = pin.saturating_sub(1) % 4;
+    let mut f = i;
+    while let Some(parent) = node.functions[f].parent {
+        pin = (pin + node.functions[f].bdf.device) % 4;
+        f = parent;
+    }
+    crate::acpi::intx_gsi(node.functions[f].bdf.device, pin)
 }
 
 /// What wiring needs of the machine.
@@ -180,9 +206,9 @@ impl DeviceWiring {
                 dma.add_target(id, target, node.p2p(i))
                     .map_err(|e| WiringError::Backing { function: f.key.clone(), reason: format!("DMA: {e}") })?;
             }
-            let (mut bars, layout, msi_info) = {
+            let (mut bars, layout, msi_info, pin) = {
                 let d = lock(&device);
-                (d.bars(), d.msix(), d.msi())
+                (d.bars(), d.msix(), d.msi(), d.intx_pin())
             };
             if f.trap_bars {
                 for bar in &mut bars {
@@ -225,7 +251,12 @@ impl DeviceWiring {
                 msi: emulated_msi,
             };
             functions.push(PciFunction::backed(ConfigSpace::for_passthrough(node, i, backend.msix_cap), backend));
-            let w = Wired { key: f.key.clone(), id, placed: BTreeMap::new(), memory, bars, msix, msi, device };
+            let intx = pin
+                .filter(|p| (1..=4).contains(p))
+                .map(|p| IntxLine::new(parts.irq.clone(), intx_gsi(node, i, p)))
+                .transpose()
+                .map_err(|source| WiringError::Irq { function: f.key.clone(), source })?;
+            let w = Wired { key: f.key.clone(), id, placed: BTreeMap::new(), memory, bars, msix, msi, intx, device };
             wired.insert(i, Mutex::new(w));
         }
         let slots = MemorySlots::new(parts.memory.clone(), KVM_SLOTS);
@@ -237,6 +268,9 @@ impl DeviceWiring {
     /// placed where the model put them.
     pub fn start(&self, node: &Node, pci: &PciSegment) {
         self.reset_devices();
+        for w in self.wired.values() {
+            lock(w).connect_intx(true);
+        }
         for &i in self.wired.keys() {
             let bdf = node.functions[i].bdf;
             let devfn = bdf.device << 3 | bdf.function;
@@ -351,11 +385,21 @@ impl ApplyEffects for DeviceWiring {
                 self.place(&mut w, change.index, to);
             }
         }
+        // One interrupt mode at a time: INTx off before MSI or MSI-X goes on, and on again
+        // once they are off.
+        let msi_on = effects.msi.iter().any(|e| matches!(e, MsiEvent::Enable { .. }));
+        let msi_off = effects.msi.iter().any(|e| matches!(e, MsiEvent::Disable));
+        if effects.msix.is_some_and(|c| c.enabled) || msi_on {
+            w.connect_intx(false);
+        }
         if let (Some(control), Some(m)) = (effects.msix, &w.msix) {
             m.control(control);
         }
         if let (false, Some(m)) = (effects.msi.is_empty(), &w.msi) {
             m.apply(&effects.msi);
+        }
+        if effects.msix.is_some_and(|c| !c.enabled) || msi_off {
+            w.connect_intx(true);
         }
     }
 }

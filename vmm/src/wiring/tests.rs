@@ -27,6 +27,10 @@ struct Seen {
     bar_reads: Vec<(u8, u64)>,
     connected: Vec<Option<usize>>,
     msi_connected: Vec<Option<usize>>,
+    /// INTx connected (true) or disconnected (false), in order.
+    intx: Vec<bool>,
+    /// GSIs resampling irqfds were registered on.
+    intx_gsis: Vec<u32>,
     dma: Vec<(bool, u64, u64)>,
 }
 
@@ -52,7 +56,8 @@ impl RoutingSink for FakeKvm {
     fn register_irqfd(&self, _: &EventFd, _: u32) -> Result<(), IrqError> {
         Ok(())
     }
-    fn register_irqfd_with_resample(&self, _: &EventFd, _: &EventFd, _: u32) -> Result<(), IrqError> {
+    fn register_irqfd_with_resample(&self, _: &EventFd, _: &EventFd, gsi: u32) -> Result<(), IrqError> {
+        lock(&self.0).intx_gsis.push(gsi);
         Ok(())
     }
     fn unregister_irqfd(&self, _: &EventFd, _: u32) -> Result<(), IrqError> {
@@ -112,6 +117,13 @@ impl PciDevice for FakeNic {
     }
     fn connect_msi(&mut self, vectors: Option<&[&EventFd]>) -> Result<(), DeviceError> {
         lock(&self.seen).msi_connected.push(vectors.map(<[_]>::len));
+        Ok(())
+    }
+    fn intx_pin(&self) -> Option<u8> {
+        Some(1)
+    }
+    fn connect_intx(&mut self, lines: Option<(&EventFd, &EventFd)>) -> Result<(), DeviceError> {
+        lock(&self.seen).intx.push(lines.is_some());
         Ok(())
     }
 }
@@ -294,4 +306,21 @@ fn test_msi_is_the_vmms_and_enable_connects_the_vectors_it_grants() {
     assert!(!lock(&m.seen).config_writes.iter().any(|(reg, _)| (MSI_CAP..MSI_CAP + 14).contains(reg)));
     m.config_write(MSI_CAP + PCI_MSI_FLAGS, &0u16.to_le_bytes());
     assert_eq!(lock(&m.seen).msi_connected, [Some(2), None]);
+}
+
+#[test]
+fn test_intx_is_swizzled_to_its_root_port_and_yields_to_msix() {
+    let m = machine();
+    // nic0's INTA: 0 at 04:00.0 (slot 0), 1 at the downstream port 02:01.0 (slot 1), 1 at
+    // the upstream port 01:00.0 (slot 0); rp0 sits at 00:01.0, so _PRT gives 16 + (1 + 1).
+    assert_eq!(lock(&m.seen).intx_gsis, [18]);
+    // Connected at start (before the guest runs), off while MSI-X is on, back after.
+    assert_eq!(lock(&m.seen).intx, [true]);
+    let flags = MSIX.cap + PCI_MSIX_FLAGS;
+    m.config_write(flags, &PCI_MSIX_FLAGS_ENABLE.to_le_bytes());
+    let seen = lock(&m.seen);
+    assert_eq!((seen.intx.clone(), seen.connected.clone()), (vec![true, false], vec![Some(4)]));
+    drop(seen);
+    m.config_write(flags, &0u16.to_le_bytes());
+    assert_eq!(lock(&m.seen).intx, [true, false, true]);
 }
