@@ -103,7 +103,7 @@ pub async fn soak(runner: &Runner, plan: &SoakPlan) -> Result<i32> {
     let dir = gdrvm_dir().join("results");
     std::fs::create_dir_all(&dir)?;
     let path = dir.join(format!("soak-{name}.txt"));
-    std::fs::write(&path, report.lines(plan, runner, started.elapsed()).join("\n") + "\n")?;
+    std::fs::write(&path, report.file(plan, runner, started.elapsed()))?;
     println!("xtask: soak: report in {}", path.display());
     Ok(if report.ends.get(&BootEnd::Passed).copied().unwrap_or(0) == results.len() { exit::PASS } else { exit::FAIL })
 }
@@ -115,6 +115,8 @@ struct Report {
     l1: BTreeMap<String, usize>,
     silent_resets: u32,
     signatures: Vec<String>,
+    /// Each L1 incident's console (the oops, its registers and trace, the tail), for the file.
+    consoles: Vec<String>,
 }
 
 impl Report {
@@ -125,6 +127,7 @@ impl Report {
             l1: BTreeMap::new(),
             silent_resets: 0,
             signatures: Vec::new(),
+            consoles: Vec::new(),
         };
         for res in results {
             *r.ends.entry(classify(res)).or_default() += 1;
@@ -132,6 +135,8 @@ impl Report {
             for i in &res.l1_incidents {
                 *r.l1.entry(format!("{:?}", i.failure)).or_default() += 1;
                 r.signatures.push(format!("{}: {}", res.name, i.summary()));
+                r.consoles.push(format!("== {}: {}", res.name, i.summary()));
+                r.consoles.extend(i.console.iter().map(|l| format!("   L1| {l}")));
             }
             if let Some(o) = res.oops() {
                 r.signatures.push(format!("{}: guest {}", res.name, o.signature()));
@@ -172,6 +177,13 @@ impl Report {
         for line in self.lines(plan, runner, took) {
             println!("xtask: {line}");
         }
+    }
+
+    /// The report file: the table, then every L1 incident's console.
+    fn file(&self, plan: &SoakPlan, runner: &Runner, took: Duration) -> String {
+        let mut lines = self.lines(plan, runner, took);
+        lines.extend(self.consoles.iter().cloned());
+        lines.join("\n") + "\n"
     }
 }
 
@@ -247,7 +259,7 @@ pub fn kill_soak(rounds: usize, kind: RunnerKind, seed: u64) -> Result<i32> {
     let mut dice = Dice(seed.max(1));
     // The VMM process on this host: QEMU (L1) when nested, gdrvm when native.
     let (vmm, window_ms) = match kind {
-        RunnerKind::Nested => ("qemu-system-x86", 30_000),
+        RunnerKind::Nested => ("qemu-system-x86", 14_000),
         RunnerKind::Native => ("gdrvm", 5_000),
     };
     println!("xtask: soak --kill: {rounds} rounds, {kind:?} runner, seed {seed}");
