@@ -206,57 +206,8 @@ impl DeviceWiring {
                 dma.add_target(id, target, node.p2p(i))
                     .map_err(|e| WiringError::Backing { function: f.key.clone(), reason: format!("DMA: {e}") })?;
             }
-            let (mut bars, layout, msi_info, pin) = {
-                let d = lock(&device);
-                (d.bars(), d.msix(), d.msi(), d.intx_pin())
-            };
-            if f.trap_bars {
-                for bar in &mut bars {
-                    bar.mapping = BarMapping::Trapped;
-                }
-            }
-            let mut ownership = ConfigOwnership::new(Owner::Device);
-            for regs in VMM_OWNED {
-                ownership.assign(regs, Owner::Vmm);
-            }
-            let msix = layout
-                .map(|l| MsixState::new(l, device.clone(), parts.irq.clone()).map(Arc::new))
-                .transpose()
-                .map_err(|source| WiringError::Irq { function: f.key.clone(), source })?;
-            let mut memory = BTreeMap::new();
-            for bar in &bars {
-                if let BarMapping::Mapped { fd, offset, .. } = &bar.mapping {
-                    let mem = DeviceMemory::map(fd.as_ref(), *offset, bar.size)
-                        .map_err(|source| WiringError::Memory { function: f.key.clone(), bar: bar.index, source })?;
-                    memory.insert(bar.index, mem);
-                }
-            }
-            // MSI is the VMM's: it answers the capability and connects the vectors.
-            let emulated_msi = msi_info.map(|info| {
-                let mut next = [0u8];
-                lock(&device).config_read(info.cap + 1, &mut next);
-                let cap = MsiCapability::new(info.vectors, info.is_64bit, info.per_vector_mask, next[0]);
-                ownership.assign(info.cap..info.cap + cap.len(), Owner::Vmm);
-                (info.cap, cap)
-            });
-            let msi = msi_info
-                .map(|info| MsiState::new(info.vectors, device.clone(), parts.irq.clone()))
-                .transpose()
-                .map_err(|source| WiringError::Irq { function: f.key.clone(), source })?;
-            let backend = Backend {
-                device: device.clone(),
-                ownership,
-                bars: bars.clone(),
-                msix_cap: layout.map(|l| l.cap),
-                msi: emulated_msi,
-            };
-            functions.push(PciFunction::backed(ConfigSpace::for_passthrough(node, i, backend.msix_cap), backend));
-            let intx = pin
-                .filter(|p| (1..=4).contains(p))
-                .map(|p| IntxLine::new(parts.irq.clone(), intx_gsi(node, i, p)))
-                .transpose()
-                .map_err(|source| WiringError::Irq { function: f.key.clone(), source })?;
-            let w = Wired { key: f.key.clone(), id, placed: BTreeMap::new(), memory, bars, msix, msi, intx, device };
+            let (function, w) = wire_device(node, i, device, &parts.irq)?;
+            functions.push(function);
             wired.insert(i, Mutex::new(w));
         }
         let slots = MemorySlots::new(parts.memory.clone(), KVM_SLOTS);
@@ -371,6 +322,82 @@ impl DeviceWiring {
         }
         tracing::debug!(function = %w.key, bar = index, address = format_args!("{:#x}", placed.address), "BAR removed");
     }
+}
+
+/// Function `i` of `node` with `device` behind it: its configuration space split between
+/// the VMM and the device, BAR mappings, and interrupts (MSI-X, MSI, INTx) on `irq`.
+fn wire_device(
+    node: &Node,
+    i: usize,
+    device: Arc<Mutex<dyn PciDevice>>,
+    irq: &Arc<GsiRouter>,
+) -> Result<(PciFunction, Wired), WiringError> {
+    let f = &node.functions[i];
+    let (mut bars, layout, msi_info, pin) = {
+        let d = lock(&device);
+        (d.bars(), d.msix(), d.msi(), d.intx_pin())
+    };
+    if f.trap_bars {
+        for bar in &mut bars {
+            bar.mapping = BarMapping::Trapped;
+        }
+    }
+    let mut ownership = ConfigOwnership::new(Owner::Device);
+    for regs in VMM_OWNED {
+        ownership.assign(regs, Owner::Vmm);
+    }
+    let msix = layout
+        .map(|l| MsixState::new(l, device.clone(), irq.clone()).map(Arc::new))
+        .transpose()
+        .map_err(|source| WiringError::Irq { function: f.key.clone(), source })?;
+    let mut memory = BTreeMap::new();
+    for bar in &bars {
+        if let BarMapping::Mapped { fd, offset, .. } = &bar.mapping {
+            let mem = DeviceMemory::map(fd.as_ref(), *offset, bar.size).map_err(|source| WiringError::Memory {
+                function: f.key.clone(),
+                bar: bar.index,
+                source,
+            })?;
+            memory.insert(bar.index, mem);
+        }
+    }
+    // MSI is the VMM's: it answers the capability and connects the vectors.
+    let emulated_msi = msi_info.map(|info| {
+        let mut next = [0u8];
+        lock(&device).config_read(info.cap + 1, &mut next);
+        let cap = MsiCapability::new(info.vectors, info.is_64bit, info.per_vector_mask, next[0]);
+        ownership.assign(info.cap..info.cap + cap.len(), Owner::Vmm);
+        (info.cap, cap)
+    });
+    let msi = msi_info
+        .map(|info| MsiState::new(info.vectors, device.clone(), irq.clone()))
+        .transpose()
+        .map_err(|source| WiringError::Irq { function: f.key.clone(), source })?;
+    let backend = Backend {
+        device: device.clone(),
+        ownership,
+        bars: bars.clone(),
+        msix_cap: layout.map(|l| l.cap),
+        msi: emulated_msi,
+    };
+    let function = PciFunction::backed(ConfigSpace::for_passthrough(node, i, backend.msix_cap), backend);
+    let intx = pin
+        .filter(|p| (1..=4).contains(p))
+        .map(|p| IntxLine::new(irq.clone(), intx_gsi(node, i, p)))
+        .transpose()
+        .map_err(|source| WiringError::Irq { function: f.key.clone(), source })?;
+    let w = Wired {
+        key: f.key.clone(),
+        id: DeviceId(i as u32),
+        placed: BTreeMap::new(),
+        memory,
+        bars,
+        msix,
+        msi,
+        intx,
+        device,
+    };
+    Ok((function, w))
 }
 
 impl ApplyEffects for DeviceWiring {
