@@ -12,6 +12,20 @@ fn suite(r: &VmResult, name: &str) -> SuiteResult {
     r.ktap.suites.iter().find(|s| s.name == name).cloned().unwrap_or_else(|| panic!("no suite {name}: {dump}"))
 }
 
+/// Guest `name`'s result and a dump of it for assertion messages, or None after a SKIP.
+fn guest(name: &str, test: &str) -> Option<(VmResult, String)> {
+    match result(name) {
+        Ok(r) => {
+            let dump = format!("{:?} {:?}\n{}", r.outcome, r.problem(), r.tail().join("\n"));
+            Some((r, dump))
+        }
+        Err(why) => {
+            skip(test, &why);
+            None
+        }
+    }
+}
+
 fn diagnostics(s: &SuiteResult, check: &str) -> (CaseOutcome, String) {
     let c = s.cases.iter().find(|c| c.name == check).unwrap_or_else(|| panic!("no check {check} in {}", s.name));
     (c.outcome.clone(), c.diagnostics.join("\n"))
@@ -19,11 +33,11 @@ fn diagnostics(s: &SuiteResult, check: &str) -> (CaseOutcome, String) {
 
 #[test]
 fn test_passed_through_nics_dma_engine_and_peer_to_peer_work_in_the_guest() {
-    let r = match result(guests::VFIO_LAB) {
-        Ok(r) => r,
-        Err(why) => return skip("test_passed_through_nics_dma_engine_and_peer_to_peer_work_in_the_guest", &why),
+    let Some((r, dump)) =
+        guest(guests::VFIO_LAB, "test_passed_through_nics_dma_engine_and_peer_to_peer_work_in_the_guest")
+    else {
+        return;
     };
-    let dump = format!("{:?} {:?}\n{}", r.outcome, r.problem(), r.tail().join("\n"));
     assert_eq!(r.outcome, VmOutcome::Exited(0), "{dump}");
     assert!(r.ktap.all_ok(), "{dump}");
     let vfio = suite(&r, "vfio");
@@ -54,11 +68,8 @@ fn test_passed_through_nics_dma_engine_and_peer_to_peer_work_in_the_guest() {
 
 #[test]
 fn test_without_p2p_the_dma_into_another_devices_bar_does_not_land() {
-    let r = match result(guests::VFIO_LAB_NO_P2P) {
-        Ok(r) => r,
-        Err(why) => return skip("test_without_p2p_the_dma_into_another_devices_bar_does_not_land", &why),
-    };
-    let dump = format!("{:?} {:?}\n{}", r.outcome, r.problem(), r.tail().join("\n"));
+    let test = "test_without_p2p_the_dma_into_another_devices_bar_does_not_land";
+    let Some((r, dump)) = guest(guests::VFIO_LAB_NO_P2P, test) else { return };
     let vfio = suite(&r, "vfio");
     // Guest RAM is still in edu's IOMMU domain...
     assert_eq!(diagnostics(&vfio, "edu_dma").0, CaseOutcome::Pass, "{dump}");
@@ -70,11 +81,11 @@ fn test_without_p2p_the_dma_into_another_devices_bar_does_not_land() {
 
 #[test]
 fn test_chaos_on_every_register_ends_with_the_guests_own_verdict() {
-    let r = match result(guests::VFIO_LAB_CHAOS) {
-        Ok(r) => r,
-        Err(why) => return skip("test_chaos_on_every_register_ends_with_the_guests_own_verdict", &why),
+    let Some((r, dump)) =
+        guest(guests::VFIO_LAB_CHAOS, "test_chaos_on_every_register_ends_with_the_guests_own_verdict")
+    else {
+        return;
     };
-    let dump = format!("{:?} {:?}\n{}", r.outcome, r.problem(), r.tail().join("\n"));
     // The VMM neither crashed nor hung: the guest reported and powered off.
     assert_eq!(r.outcome, VmOutcome::Exited(0), "{dump}");
     let chaos = suite(&r, "chaos");
@@ -88,11 +99,10 @@ fn test_chaos_on_every_register_ends_with_the_guests_own_verdict() {
 
 #[test]
 fn test_legacy_intx_reaches_the_guest_through_the_routing_table() {
-    let r = match result(guests::VFIO_LAB_INTX) {
-        Ok(r) => r,
-        Err(why) => return skip("test_legacy_intx_reaches_the_guest_through_the_routing_table", &why),
+    let Some((r, dump)) = guest(guests::VFIO_LAB_INTX, "test_legacy_intx_reaches_the_guest_through_the_routing_table")
+    else {
+        return;
     };
-    let dump = format!("{:?} {:?}\n{}", r.outcome, r.problem(), r.tail().join("\n"));
     assert_eq!(r.outcome, VmOutcome::Exited(0), "{dump}");
     let vfio = suite(&r, "vfio");
     // e1000e on INTx: the device's pin, swizzled to the root port, through _PRT to an
