@@ -148,6 +148,22 @@ pub enum DeviceError {
     },
 }
 
+/// `ranges` clamped to `[0, size)`, empty ones dropped, sorted, overlapping and adjacent
+/// ones merged.
+pub fn merge_ranges(ranges: Vec<Range<u64>>, size: u64) -> Vec<Range<u64>> {
+    let mut ranges: Vec<Range<u64>> =
+        ranges.into_iter().map(|r| r.start.min(size)..r.end.min(size)).filter(|r| r.start < r.end).collect();
+    ranges.sort_by_key(|r| r.start);
+    let mut merged: Vec<Range<u64>> = Vec::new();
+    for r in ranges {
+        match merged.last_mut() {
+            Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
+            _ => merged.push(r),
+        }
+    }
+    merged
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

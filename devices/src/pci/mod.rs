@@ -10,7 +10,7 @@ mod msix;
 mod ownership;
 pub mod regs;
 
-pub use device::{BarInfo, BarMapping, DeviceError, MsiInfo, MsixLayout, PciDevice};
+pub use device::{merge_ranges, BarInfo, BarMapping, DeviceError, MsiInfo, MsixLayout, PciDevice};
 pub use effects::{BarChange, ConfigWriteEffects, MsixControl};
 pub use msi::{MsiCapability, MsiEvent, MSI_MAX_VECTORS};
 pub use msix::{Fire, MsiMessage, MsixEvent, MsixTable, MSIX_MAX_VECTORS};

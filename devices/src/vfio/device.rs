@@ -19,8 +19,7 @@ use super::backend::{IrqKind, RegionInfo, VfioDeviceOps};
 use super::caps::{self, msix_pba_len, msix_table_len, read32, Capability};
 use super::error::VfioError;
 use super::firewall::{ConfigWrites, Firewall};
-use crate::pci::MsiInfo;
-use crate::pci::{BarInfo, BarMapping, DeviceError, MsixLayout, PciDevice};
+use crate::pci::{merge_ranges, BarInfo, BarMapping, DeviceError, MsiInfo, MsixLayout, PciDevice};
 use crate::pci_regs::*;
 
 /// Pages of x86-64: the granularity of mmap, KVM memory slots and the IOMMU.
@@ -378,23 +377,7 @@ pub(super) fn holes(bar: u8, region: &RegionInfo, msix: Option<&MsixLayout>) -> 
         }
         holes.push(at..region.size);
     }
-    merge(holes, region.size)
-}
-
-/// `ranges` clamped to `[0, size)`, empty ones dropped, sorted, overlapping and adjacent
-/// ones merged.
-fn merge(ranges: Vec<Range<u64>>, size: u64) -> Vec<Range<u64>> {
-    let mut ranges: Vec<Range<u64>> =
-        ranges.into_iter().map(|r| r.start.min(size)..r.end.min(size)).filter(|r| r.start < r.end).collect();
-    ranges.sort_by_key(|r| r.start);
-    let mut merged: Vec<Range<u64>> = Vec::new();
-    for r in ranges {
-        match merged.last_mut() {
-            Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
-            _ => merged.push(r),
-        }
-    }
-    merged
+    merge_ranges(holes, region.size)
 }
 
 fn page_down(x: u64) -> u64 {

@@ -6,7 +6,7 @@
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
-use gdrvm_devices::{lock, BusDevice, PciDevice};
+use gdrvm_devices::{lock, merge_ranges, BusDevice, PciDevice};
 
 use super::msix::MsixState;
 
@@ -62,19 +62,8 @@ impl BusDevice for BarTrap {
 /// `0..size` split into the runs inside `holes` (trapped) and outside them (mapped), in
 /// order; holes are widened to whole pages.
 pub fn split(size: u64, holes: &[Range<u64>]) -> Vec<(bool, Range<u64>)> {
-    let mut pages: Vec<Range<u64>> = holes
-        .iter()
-        .filter(|h| h.start < h.end && h.start < size)
-        .map(|h| (h.start / PAGE * PAGE)..(h.end.div_ceil(PAGE) * PAGE).min(size))
-        .collect();
-    pages.sort_by_key(|h| h.start);
-    let mut merged: Vec<Range<u64>> = Vec::new();
-    for h in pages {
-        match merged.last_mut() {
-            Some(last) if h.start <= last.end => last.end = last.end.max(h.end),
-            _ => merged.push(h),
-        }
-    }
+    let pages = holes.iter().filter(|h| h.start < h.end).map(|h| (h.start / PAGE * PAGE)..h.end.div_ceil(PAGE) * PAGE);
+    let merged = merge_ranges(pages.collect(), size);
     let mut runs = Vec::new();
     let mut at = 0;
     for h in merged {
