@@ -32,9 +32,9 @@ pub use exit::{GuestExit, GuestExitSignal};
 pub use i8042::I8042;
 pub use pci::regs as pci_regs;
 pub use pci::{
-    merge_ranges, BarChange, BarInfo, BarMapping, ConfigOwnership, ConfigWriteEffects, DeviceError, Fire,
+    merge_ranges, BarChange, BarInfo, BarMapping, ConfigOwnership, ConfigSpace, ConfigWriteEffects, DeviceError, Fire,
     MsiCapability, MsiEvent, MsiInfo, MsiMessage, MsixControl, MsixEvent, MsixLayout, MsixTable, Owner, PciDevice,
-    MSIX_MAX_VECTORS, MSI_MAX_VECTORS,
+    ACS_CAPABILITIES, CONFIG_SPACE_SIZE, MSIX_MAX_VECTORS, MSI_MAX_VECTORS,
 };
 pub use serial::{Serial, SerialInput, COM1_IRQ, COM1_LEN, COM1_PORT};
 pub use sleep::{

@@ -6,6 +6,7 @@
 //! memory map ([`layout`]) lives here too, so that the node's PCI windows and the VMM's RAM
 //! and firmware are placed by one definition.
 
+pub mod emulated;
 pub mod host_pci;
 pub mod l1;
 pub mod layout;

@@ -3,6 +3,7 @@
 //! emulation every kind of device shares. All pure data structures: the VMM wires them to
 //! KVM, VFIO and its buses.
 
+mod config_space;
 mod device;
 mod effects;
 mod msi;
@@ -10,6 +11,7 @@ mod msix;
 mod ownership;
 pub mod regs;
 
+pub use config_space::{ConfigSpace, ACS_CAPABILITIES, CONFIG_SPACE_SIZE};
 pub use device::{merge_ranges, BarInfo, BarMapping, DeviceError, MsiInfo, MsixLayout, PciDevice};
 pub use effects::{BarChange, ConfigWriteEffects, MsixControl};
 pub use msi::{MsiCapability, MsiEvent, MSI_MAX_VECTORS};

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use gdrvm_devices::{lock, BarInfo, ConfigOwnership, ConfigWriteEffects, MsiCapability, Owner, PciDevice};
 
-use super::config::{ConfigSpace, CONFIG_SPACE_SIZE};
+use super::{ConfigSpace, CONFIG_SPACE_SIZE};
 
 /// The device behind a function. Fields drop in order: the BARs' file handles before the
 /// device (VFIO cannot release a group whose files are still open).

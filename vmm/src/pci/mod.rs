@@ -5,7 +5,6 @@
 //! Written by hand: no rust-vmm crate models PCI-to-PCI bridges or PCIe ports, and Cloud
 //! Hypervisor's and crosvm's PCI buses are tied to their own device managers.
 
-mod config;
 mod function;
 
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -13,8 +12,8 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use gdrvm_devices::{lock, BusDevice, ConfigWriteEffects};
 use gdrvm_model::node::Node;
 
-pub use config::{ConfigSpace, ACS_CAPABILITIES, CONFIG_SPACE_SIZE};
 pub use function::{Backend, PciFunction};
+pub use gdrvm_devices::{ConfigSpace, ACS_CAPABILITIES, CONFIG_SPACE_SIZE};
 
 /// Applies what a configuration write meant (BARs moved, decode switched, MSI-X enabled)
 /// to the machine; called after the function's lock is released.

@@ -6,7 +6,7 @@
 //! Layouts follow the PCI Local Bus 3.0 headers and PCI Express Base 4.0 chapter 7
 //! (capability IDs 0x10 PCIe and 0x11 MSI-X, extended IDs 0x0d ACS and 0x0f ATS).
 
-use gdrvm_devices::pci_regs::*;
+use super::regs::*;
 use gdrvm_model::node::{Bar, BridgeWindows, FunctionKind, Link, LinkSpeed, Node, MSIX_VECTORS};
 
 /// Size of a PCIe function's configuration space.
