@@ -78,6 +78,17 @@ pub struct PciExpectation {
     /// move them).
     #[serde(default)]
     pub bars: Vec<BarExpectation>,
+    /// What stands behind it, as the node file says (`none`, `vfio:<BDF>`, `emulated-gpu`,
+    /// ...).
+    #[serde(default)]
+    pub backing: String,
+    /// Whether it takes part in peer-to-peer DMA (its node's and host bridge's `p2p`).
+    #[serde(default = "yes")]
+    pub p2p: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// A memory BAR.

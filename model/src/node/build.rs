@@ -521,7 +521,7 @@ impl<'a> Builder<'a> {
         let (kind, default_class) = endpoint_kind(ep, &k)?;
         let backing: Backing =
             ep.backing.parse().map_err(|reason: String| KeyError::new(format!("{k}.backing"), reason))?;
-        let id = identity::resolve(ep, &k, backing, default_class, self.host)?;
+        let id = identity::resolve(ep, &k, backing.clone(), default_class, self.host)?;
         let f = Function {
             name: ep.name.clone(),
             key: k,

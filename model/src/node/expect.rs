@@ -71,6 +71,8 @@ impl Node {
                         .iter()
                         .map(|b| BarExpectation { index: b.index, size: b.size, address: b.address })
                         .collect(),
+                    backing: f.backing.to_string(),
+                    p2p: self.p2p(i),
                 }
             })
             .collect();

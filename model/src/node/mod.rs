@@ -191,13 +191,26 @@ impl FunctionKind {
 }
 
 /// What stands behind an endpoint's configuration space.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum Backing {
     /// Nothing: the VMM's configuration space alone, BARs read all-ones.
     #[default]
     None,
     /// A host device passed through with VFIO.
     Vfio(HostBdf),
+    /// A vfio-user server already listening on this socket.
+    VfioUser(std::path::PathBuf),
+    /// `gdrvm-gpu-emu`, started by the VMM for this endpoint.
+    EmulatedGpu,
+    /// `gdrvm-nic-emu`, started by the VMM for this endpoint.
+    EmulatedNic,
+}
+
+impl Backing {
+    /// Whether a device stands behind the configuration space.
+    pub fn is_device(&self) -> bool {
+        *self != Backing::None
+    }
 }
 
 impl std::str::FromStr for Backing {
@@ -206,8 +219,15 @@ impl std::str::FromStr for Backing {
     fn from_str(s: &str) -> Result<Self, String> {
         match s.split_once(':') {
             _ if s == "none" => Ok(Backing::None),
+            _ if s == "emulated-gpu" => Ok(Backing::EmulatedGpu),
+            _ if s == "emulated-nic" => Ok(Backing::EmulatedNic),
             Some(("vfio", bdf)) => bdf.parse().map(Backing::Vfio),
-            _ => Err(format!("'{s}' is not a backing this version knows (none, vfio:<host BDF>)")),
+            Some(("vfio-user", "")) => Err("'vfio-user:' needs the server's socket path after the colon".into()),
+            Some(("vfio-user", path)) => Ok(Backing::VfioUser(path.into())),
+            _ => Err(format!(
+                "'{s}' is not a backing this version knows (none, vfio:<host BDF>, vfio-user:<socket>, \
+                 emulated-gpu, emulated-nic)"
+            )),
         }
     }
 }
@@ -217,6 +237,9 @@ impl fmt::Display for Backing {
         match self {
             Backing::None => f.write_str("none"),
             Backing::Vfio(bdf) => write!(f, "vfio:{bdf}"),
+            Backing::VfioUser(path) => write!(f, "vfio-user:{}", path.display()),
+            Backing::EmulatedGpu => f.write_str("emulated-gpu"),
+            Backing::EmulatedNic => f.write_str("emulated-nic"),
         }
     }
 }

@@ -150,12 +150,13 @@ pub type OpenBacking<'a> = dyn Fn(&Node, usize) -> Result<Option<Opened>, String
 /// VFIO container of its own (its DMA target).
 pub fn open_backing(node: &Node, i: usize) -> Result<Option<Opened>, String> {
     let Backing::Vfio(bdf) = node.functions[i].backing else { return Ok(None) };
+
     let passed_through = node
         .functions
         .iter()
         .filter_map(|f| match f.backing {
             Backing::Vfio(b) => Some(b),
-            Backing::None => None,
+            _ => None,
         })
         .collect();
     let options = VfioOptions { config_writes: ConfigWrites::Filtered, passed_through };
@@ -191,9 +192,7 @@ impl DeviceWiring {
         for (i, f) in node.functions.iter().enumerate() {
             let opened = match f.backing {
                 Backing::None => None,
-                Backing::Vfio(_) => {
-                    open(node, i).map_err(|reason| WiringError::Backing { function: f.key.clone(), reason })?
-                }
+                _ => open(node, i).map_err(|reason| WiringError::Backing { function: f.key.clone(), reason })?,
             };
             let Some(Opened { device, dma: target }) = opened else {
                 functions.push(PciFunction::hollow(ConfigSpace::for_function(node, i)));
