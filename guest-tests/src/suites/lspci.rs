@@ -193,6 +193,8 @@ mod tests {
             ats: true,
             msix: true,
             bars: vec![],
+            backing: "none".into(),
+            p2p: true,
         }
     }
 
