@@ -15,7 +15,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use gdrvm_images::{Initramfs, Source};
-use gdrvm_model::l1::{L1Job, L1Jobs, L1Lab, GDRVM_PATH, JOBS_PATH};
+use gdrvm_model::l1::{L1Job, L1Jobs, L1Lab, GDRVM_PATH, JOBS_PATH, L1_DIR};
 use tokio::process::Command;
 
 use crate::l1::{classify, L1Line};
@@ -315,6 +315,13 @@ impl Runner {
         let jobs_json = serde_json::to_vec(&jobs).map_err(|e| HarnessError::Prepare(e.to_string()))?;
         run.file(JOBS_PATH, Source::Bytes(jobs_json), 0o644);
         run.file(GDRVM_PATH, Source::Host(self.artifacts.gdrvm.clone()), 0o755);
+        // The device emulators gdrvm starts sit next to it, in L1 as on the host.
+        for emulator in gdrvm_model::l1::EMULATORS {
+            let host = self.artifacts.gdrvm.with_file_name(emulator);
+            if host.is_file() {
+                run.file(&format!("{L1_DIR}/{emulator}"), Source::Host(host), 0o755);
+            }
+        }
         for (host, guest) in &files {
             run.file(guest, Source::Host(host.clone()), 0o644);
         }

@@ -7,6 +7,10 @@ use serde::{Deserialize, Serialize};
 pub const JOBS_PATH: &str = "/l1/jobs.json";
 /// Where the gdrvm binary sits in L1.
 pub const GDRVM_PATH: &str = "/l1/gdrvm";
+/// The directory of [`GDRVM_PATH`], where the device emulators sit beside it.
+pub const L1_DIR: &str = "/l1";
+/// The device emulators gdrvm starts for emulated endpoints, found next to gdrvm.
+pub const EMULATORS: [&str; 2] = ["gdrvm-gpu-emu", "gdrvm-nic-emu"];
 /// Prefix of every marker line.
 pub const MARKER: &str = "@@gdrvm-l1 ";
 /// Set in the environment of L1's jobs: a node with a `[nested]` table names L1's lab

@@ -166,7 +166,7 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
     check_address_bits(&supported_cpuid, &config.node)?;
     let mmio = Arc::new(Bus::new("mmio"));
     // Dropped when `run` returns, whatever the path: BARs leave the guest, devices reset.
-    let (pci, devices) = wire_devices(config, &vm, &mmio, &irq, &ram.memory)?;
+    let (pci, devices) = wire_devices(config, &vm, &mmio, &irq, &ram)?;
     let cpus = cpu_topology::layout(config.cpus, &config.node.numa);
     let entry = load_guest(&ram.memory, config, &cpus, initrd.as_deref())?;
     tracing::debug!(elapsed = ?started.elapsed(), "kernel, initrd and firmware loaded");
@@ -328,15 +328,24 @@ fn wire_devices(
     vm: &Arc<VmFd>,
     mmio: &Arc<Bus>,
     irq: &Arc<GsiRouter>,
-    ram: &vm_memory::GuestMemoryMmap,
+    ram: &memory::GuestRam,
 ) -> Result<(Arc<PciSegment>, Arc<wiring::DeviceWiring>), VmmError> {
     let parts = wiring::MachineParts { memory: vm.clone(), mmio: mmio.clone(), irq: irq.clone() };
+    // One handle on the memfd for every DMA target in another process.
+    let file = ram.file.try_clone().ok().map(Arc::new);
     let mut regions = Vec::new();
-    for region in ram.iter() {
+    for region in ram.memory.iter() {
         let host = ram
+            .memory
             .get_host_address(region.start_addr())
             .map_err(|source| VmmError::GuestMemory { what: "find the host mapping of guest RAM", source })?;
-        regions.push((region.start_addr().0, host as u64, region.len()));
+        let file = file.clone().zip(region.file_offset().map(|fo| fo.start()));
+        regions.push(wiring::GuestRamRegion {
+            gpa: region.start_addr().0,
+            size: region.len(),
+            host_addr: host as u64,
+            file,
+        });
     }
     let (devices, functions) = wiring::DeviceWiring::new(&config.node, parts, &regions, &wiring::open_backing)?;
     let pci = Arc::new(PciSegment::with_functions(&config.node, functions));

@@ -15,13 +15,14 @@ pub fn workspace() -> PathBuf {
 
 const TARGET: &str = "x86_64-unknown-linux-gnu";
 
-/// Builds gdrvm and the agent as static executables: the agent runs as PID 1 in an
-/// initramfs with no libc, and gdrvm runs inside L1, which has none either.
+/// Builds gdrvm, its device emulators and the agent as static executables: the agent runs
+/// as PID 1 in an initramfs with no libc, and gdrvm runs inside L1, which has none either.
+/// The emulators land next to gdrvm, where it looks for them.
 fn static_binaries() -> Result<(PathBuf, PathBuf)> {
-    println!("xtask: building static gdrvm and gdrvm-agent (release)");
+    println!("xtask: building static gdrvm, its emulators and gdrvm-agent (release)");
     let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
         .current_dir(workspace())
-        .args(["build", "--release", "--target", TARGET, "-p", "gdrvm", "-p", "gdrvm-agent"])
+        .args(["build", "--release", "--target", TARGET, "-p", "gdrvm", "-p", "gdrvm-devices", "-p", "gdrvm-agent"])
         .env("CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUSTFLAGS", "-C target-feature=+crt-static")
         .status()
         .context("running cargo build")?;

@@ -106,7 +106,8 @@ fn key(section: &str, i: usize, name: &str, field: &str) -> String {
 /// up in `host`.
 pub fn build(origin: &str, text: &str, host: &HostPci) -> Result<Node, NodeError> {
     let file = parse_toml(origin, text)?;
-    build_file(&file, host).map_err(|e| e.in_file(origin))
+    let node = build_file(&file, host).map_err(|e| e.in_file(origin))?;
+    Ok(Node { source: origin.to_owned(), ..node })
 }
 
 fn parse_toml(origin: &str, text: &str) -> Result<NodeFile, NodeError> {
@@ -133,6 +134,7 @@ fn build_file(file: &NodeFile, host: &HostPci) -> Result<Node, KeyError> {
         host_bridges,
         functions: b.functions,
         nested: file.nested.clone(),
+        source: String::new(),
     };
     super::address::assign(&mut node)?;
     Ok(node)

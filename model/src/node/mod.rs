@@ -28,6 +28,7 @@ const PRESETS: &[(&str, &str)] = &[
     ("flat", include_str!("../../presets/flat.toml")),
     ("vela-a100", include_str!("../../presets/vela-a100.toml")),
     ("vfio-lab", include_str!("../../presets/vfio-lab.toml")),
+    ("dgx-h100", include_str!("../../presets/dgx-h100.toml")),
 ];
 
 /// Names of the shipped presets.
@@ -372,6 +373,9 @@ pub struct Node {
     pub functions: Vec<Function>,
     /// What L1 must be in a nested run (its `[nested]` table).
     pub nested: Option<crate::l1::L1Lab>,
+    /// What [`Node::resolve`] takes to build this node again: the preset's name or the
+    /// node file's path (device emulators the VMM starts read the same node).
+    pub source: String,
 }
 
 impl Node {
@@ -392,7 +396,9 @@ impl Node {
 
     /// A shipped preset by name.
     pub fn preset(name: &str) -> Option<Result<Node, NodeError>> {
-        PRESETS.iter().find(|(n, _)| *n == name).map(|(n, text)| Node::parse(&format!("preset {n}"), text))
+        PRESETS.iter().find(|(n, _)| *n == name).map(|(n, text)| {
+            Node::parse(&format!("preset {n}"), text).map(|node| Node { source: (*n).to_owned(), ..node })
+        })
     }
 
     /// The text of a shipped preset.

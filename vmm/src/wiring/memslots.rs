@@ -51,6 +51,10 @@ pub enum MemslotError {
 pub struct DeviceMemory {
     addr: *mut libc::c_void,
     len: usize,
+    /// The file it maps and the offset of the mapping in it, for DMA targets in other
+    /// processes (vfio-user servers map it themselves).
+    file: std::sync::Arc<std::fs::File>,
+    offset: u64,
 }
 
 // SAFETY: the mapping is plain shared memory owned by this value; the pointer is only
@@ -61,7 +65,7 @@ unsafe impl Sync for DeviceMemory {}
 
 impl DeviceMemory {
     /// Maps `len` bytes of `fd` at `offset`, shared, read-write.
-    pub fn map(fd: &impl AsRawFd, offset: u64, len: u64) -> Result<DeviceMemory, MemslotError> {
+    pub fn map(fd: &std::sync::Arc<std::fs::File>, offset: u64, len: u64) -> Result<DeviceMemory, MemslotError> {
         let err = |source| MemslotError::Mmap { len, offset, source };
         let size = usize::try_from(len).map_err(|_| err(std::io::Error::from(std::io::ErrorKind::InvalidInput)))?;
         let off =
@@ -81,12 +85,18 @@ impl DeviceMemory {
         if addr == libc::MAP_FAILED {
             return Err(err(std::io::Error::last_os_error()));
         }
-        Ok(DeviceMemory { addr, len: size })
+        Ok(DeviceMemory { addr, len: size, file: fd.clone(), offset })
     }
 
     /// The host address `offset` bytes into the mapping.
     pub fn host_addr(&self, offset: u64) -> u64 {
         self.addr as u64 + offset
+    }
+
+    /// The file behind the byte `offset` bytes into the mapping, and that byte's offset
+    /// in the file.
+    pub fn file_at(&self, offset: u64) -> (std::sync::Arc<std::fs::File>, u64) {
+        (self.file.clone(), self.offset + offset)
     }
 }
 

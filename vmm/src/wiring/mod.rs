@@ -5,6 +5,7 @@
 //! mapped BAR) in step, and connects MSI-X. `machine.rs` only calls it.
 
 mod bars;
+mod emulator;
 mod memslots;
 mod msi;
 mod msix;
@@ -28,6 +29,7 @@ use memslots::{DeviceMemory, MemorySlots};
 use msi::MsiState;
 use msix::MsixState;
 
+pub use emulator::{Emulator, EMU_DIR_ENV};
 pub use memslots::{MemorySink, MemslotError};
 
 /// KVM memory slots gdrvm may use (KVM offers at least 509 on x86).
@@ -132,6 +134,20 @@ pub struct DeviceWiring {
     slots: MemorySlots,
     dma: Mutex<DmaSpace>,
     wired: BTreeMap<usize, Mutex<Wired>>,
+    /// Emulator processes, stopped after the devices they serve are dropped.
+    _emulators: Vec<Emulator>,
+}
+
+/// One range of guest RAM, as the DMA space needs it.
+pub struct GuestRamRegion {
+    /// Guest-physical address.
+    pub gpa: u64,
+    /// Length in bytes.
+    pub size: u64,
+    /// Where the VMM has it mapped.
+    pub host_addr: u64,
+    /// The file behind it and the range's offset in it (the guest-RAM memfd).
+    pub file: Option<(Arc<std::fs::File>, u64)>,
 }
 
 /// A device opened for a function: the device, and its DMA target (what it reaches of
@@ -141,6 +157,8 @@ pub struct Opened {
     pub device: Arc<Mutex<dyn PciDevice>>,
     /// Its DMA target (a VFIO container, a vfio-user server).
     pub dma: Option<Box<dyn DmaTarget>>,
+    /// The emulator process serving it, when the VMM started one.
+    pub process: Option<Emulator>,
 }
 
 /// Opens the device an endpoint's backing names.
@@ -167,34 +185,35 @@ pub fn open_backing(node: &Node, i: usize) -> Result<Option<Opened>, String> {
     // regions; the guest and devices touch both only through the hardware, never through
     // Rust references.
     let dma = unsafe { VfioDmaTarget::new(container) };
-    Ok(Some(Opened { device: Arc::new(Mutex::new(device)), dma: Some(Box::new(dma)) }))
+    Ok(Some(Opened { device: Arc::new(Mutex::new(device)), dma: Some(Box::new(dma)), process: None }))
 }
 
 impl DeviceWiring {
     /// Opens every function's backing with `open` and returns the wiring and the functions
-    /// of the PCI segment, in the node's order. Guest RAM (`ram`: guest address, host
-    /// address, size) is the DMA space's first content.
+    /// of the PCI segment, in the node's order. Guest RAM is the DMA space's first content.
     pub fn new(
         node: &Node,
         parts: MachineParts,
-        ram: &[(u64, u64, u64)],
+        ram: &[GuestRamRegion],
         open: &OpenBacking<'_>,
     ) -> Result<(Arc<DeviceWiring>, Vec<PciFunction>), WiringError> {
         let mut dma = DmaSpace::new();
-        for &(gpa, host, size) in ram {
-            let region = DmaRegion { iova: gpa, size, host_addr: host, fd: None, owner: None };
+        for r in ram {
+            let (gpa, size) = (r.gpa, r.size);
+            let region = DmaRegion { iova: gpa, size, host_addr: r.host_addr, fd: r.file.clone(), owner: None };
             if let Err(e) = dma.add_region(region) {
                 tracing::warn!("DMA space: guest RAM at {gpa:#x}: {e}");
             }
         }
         let mut functions = Vec::with_capacity(node.functions.len());
         let mut wired = BTreeMap::new();
+        let mut emulators = Vec::new();
         for (i, f) in node.functions.iter().enumerate() {
             let opened = match f.backing {
                 Backing::None => None,
                 _ => open(node, i).map_err(|reason| WiringError::Backing { function: f.key.clone(), reason })?,
             };
-            let Some(Opened { device, dma: target }) = opened else {
+            let Some(Opened { device, dma: target, process }) = opened else {
                 functions.push(PciFunction::hollow(ConfigSpace::for_function(node, i)));
                 continue;
             };
@@ -205,12 +224,13 @@ impl DeviceWiring {
                 dma.add_target(id, target, node.p2p(i))
                     .map_err(|e| WiringError::Backing { function: f.key.clone(), reason: format!("DMA: {e}") })?;
             }
+            emulators.extend(process);
             let (function, w) = wire_device(node, i, device, &parts.irq)?;
             functions.push(function);
             wired.insert(i, Mutex::new(w));
         }
         let slots = MemorySlots::new(parts.memory.clone(), KVM_SLOTS);
-        Ok((Arc::new(DeviceWiring { parts, slots, dma: Mutex::new(dma), wired }), functions))
+        Ok((Arc::new(DeviceWiring { parts, slots, dma: Mutex::new(dma), wired, _emulators: emulators }), functions))
     }
 
     /// Resets every device, then turns on memory decode of every function with a device
@@ -278,7 +298,7 @@ impl DeviceWiring {
                             iova: gpa,
                             size: len,
                             host_addr: mem.host_addr(run.start),
-                            fd: None,
+                            fd: Some(mem.file_at(run.start)),
                             owner: Some(w.id),
                         };
                         match lock(&self.dma).add_region(region) {
@@ -352,7 +372,7 @@ fn wire_device(
     let mut memory = BTreeMap::new();
     for bar in &bars {
         if let BarMapping::Mapped { fd, offset, .. } = &bar.mapping {
-            let mem = DeviceMemory::map(fd.as_ref(), *offset, bar.size).map_err(|source| WiringError::Memory {
+            let mem = DeviceMemory::map(fd, *offset, bar.size).map_err(|source| WiringError::Memory {
                 function: f.key.clone(),
                 bar: bar.index,
                 source,

@@ -150,9 +150,15 @@ fn machine() -> Machine {
     let open = |_: &Node, _: usize| -> Result<Option<Opened>, String> {
         let device: Arc<Mutex<dyn PciDevice>> =
             Arc::new(Mutex::new(FakeNic { seen: seen.clone(), memory: memfd.clone() }));
-        Ok(Some(Opened { device, dma: Some(Box::new(FakeDma(Arc::default()))) }))
+        Ok(Some(Opened { device, dma: Some(Box::new(FakeDma(Arc::default()))), process: None }))
     };
-    let (wiring, functions) = DeviceWiring::new(&node, parts, &[(0, 0x7000_0000, 1 << 30)], &open).unwrap();
+    let (wiring, functions) = DeviceWiring::new(
+        &node,
+        parts,
+        &[super::GuestRamRegion { gpa: 0, size: 1 << 30, host_addr: 0x7000_0000, file: None }],
+        &open,
+    )
+    .unwrap();
     lock(wiring.dma()).add_target(DeviceId(999), Box::new(FakeDma(seen.clone())), true).unwrap();
     let pci = Arc::new(PciSegment::with_functions(&node, functions));
     let sink: Arc<dyn ApplyEffects> = wiring.clone();
