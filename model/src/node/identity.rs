@@ -156,8 +156,12 @@ mod tests {
             err.starts_with("lab.toml: key endpoint[1] (nic0).backing: host PCI device 0000:3b:00.0 does not exist"),
             "{err}"
         );
-        let err = parse("kind = \"nic\"\nvendor = 1\ndevice = 2\nbacking = \"vfio-user:/x\"");
-        assert_eq!(err, "lab.toml: key endpoint[1] (nic0).backing: 'vfio-user:/x' is not a backing this version knows (none, vfio:<host BDF>)");
+        let err = parse("kind = \"nic\"\nvendor = 1\ndevice = 2\nbacking = \"ivshmem:/x\"");
+        assert_eq!(
+            err,
+            "lab.toml: key endpoint[1] (nic0).backing: 'ivshmem:/x' is not a backing this version knows (none, \
+             vfio:<host BDF>, vfio-user:<socket>, emulated-gpu, emulated-nic)"
+        );
         let err = parse("kind = \"nic\"\ndevice = 2");
         assert_eq!(err, "lab.toml: key endpoint[1] (nic0).vendor: required (no passed-through device supplies it)");
     }

@@ -248,7 +248,10 @@ fn test_more_than_256_buses() {
 fn test_resolve_names_presets_when_nothing_matches() {
     assert_eq!(Node::resolve("minimal").unwrap().name, "minimal");
     let e = Node::resolve("/no/such/node.toml").unwrap_err().to_string();
-    assert_eq!(e, "/no/such/node.toml: no such node file, and not a preset (minimal, flat, vela-a100, vfio-lab)");
+    assert_eq!(
+        e,
+        "/no/such/node.toml: no such node file, and not a preset (minimal, flat, vela-a100, vfio-lab, dgx-h100)"
+    );
 }
 
 #[test]
