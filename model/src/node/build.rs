@@ -56,6 +56,7 @@ fn bridge(name: String, key: String, kind: FunctionKind, at: At, ids: (u16, u16)
         backing: Backing::None,
         device_caps: None,
         trap_bars: false,
+        emulator_args: Vec::new(),
     }
 }
 
@@ -524,6 +525,14 @@ impl<'a> Builder<'a> {
         let backing: Backing =
             ep.backing.parse().map_err(|reason: String| KeyError::new(format!("{k}.backing"), reason))?;
         let id = identity::resolve(ep, &k, backing.clone(), default_class, self.host)?;
+        if !ep.emulator_args.is_empty() && !matches!(backing, Backing::EmulatedGpu | Backing::EmulatedNic) {
+            return Err(KeyError::new(
+                format!("{k}.emulator_args"),
+                format!(
+                    "only an emulated backing (emulated-gpu, emulated-nic) starts an emulator; this one is {backing}"
+                ),
+            ));
+        }
         let f = Function {
             name: ep.name.clone(),
             key: k,
@@ -546,6 +555,7 @@ impl<'a> Builder<'a> {
             backing,
             device_caps: id.caps,
             trap_bars: ep.trap_bars,
+            emulator_args: ep.emulator_args.clone(),
         };
         self.push(f);
         Ok(())

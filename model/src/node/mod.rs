@@ -339,6 +339,8 @@ pub struct Function {
     pub device_caps: Option<crate::host_pci::DeviceCaps>,
     /// Every access to its BARs exits to the VMM, even where they could be mapped.
     pub trap_bars: bool,
+    /// Extra arguments for the emulator the VMM starts for it.
+    pub emulator_args: Vec<String>,
 }
 
 /// The ACS controls a node file may set, by bit of the ACS Control register (PCIe 4.0,

@@ -107,9 +107,14 @@ pub struct EndpointEntry {
     /// An SR-IOV virtual function (as a VF passed through to the guest appears).
     #[serde(default)]
     pub virtual_function: bool,
-    /// What stands behind the endpoint: `none`, or `vfio:<host BDF>`.
+    /// What stands behind the endpoint: `none`, `vfio:<host BDF>`, `vfio-user:<socket>`,
+    /// `emulated-gpu` or `emulated-nic`.
     #[serde(default = "no_backing")]
     pub backing: String,
+    /// Extra arguments for the emulator the VMM starts (emulated backings only), e.g.
+    /// `["--fault", "exit-after=20s"]` to test how the guest and VMM cope with its death.
+    #[serde(default)]
+    pub emulator_args: Vec<String>,
     /// Trap every guest access to the device's BARs instead of mapping them (to measure
     /// the exit cost; slow).
     #[serde(default)]

@@ -66,6 +66,7 @@ impl Emulator {
         let vmm = std::process::id() as libc::pid_t;
         let mut command = Command::new(&path);
         command.args(["--fd", &CHILD_FD.to_string(), "--node", &node.source, "--function", &f.name]);
+        command.args(&f.emulator_args);
         // SAFETY: the closure runs in the child between fork and exec and calls only
         // async-signal-safe functions (dup2, fcntl, prctl, getppid) on descriptors the
         // parent keeps open until `spawn` returns.
