@@ -12,11 +12,17 @@
 //!
 //! A host function passed through with VFIO is a [`VfioPciDevice`]: its configuration
 //! writes pass a firewall, its BARs are mapped from the device file, and its container is a
-//! [`VfioDmaTarget`].
+//! [`VfioDmaTarget`]. A device emulated in another process is reached over
+//! [`vfio_user`]: the same [`VfioPciDevice`] over a [`UserDeviceOps`], its server a
+//! [`UserDmaTarget`]; the server side ([`vfio_user::serve`]) is what emulators build on.
+//!
+//! The emulated GPU and RoCE NIC that the vfio-user server binaries (`gdrvm-gpu-emu`,
+//! `gdrvm-nic-emu`) serve are in [`emu`].
 
 mod bus;
 mod debug_exit;
 mod dma;
+pub mod emu;
 mod exit;
 mod i8042;
 mod pci;
@@ -24,6 +30,7 @@ mod serial;
 mod sleep;
 mod sync;
 mod vfio;
+pub mod vfio_user;
 
 pub use bus::{Bus, BusDevice, BusError};
 pub use debug_exit::DebugExit;
@@ -45,3 +52,4 @@ pub use vfio::{
     check_host, open_container, Capability, CapabilityId, ConfigWrites, HostCheck, IrqKind, RegionInfo, VfioContainer,
     VfioContainerOps, VfioDeviceFd, VfioDeviceOps, VfioDmaTarget, VfioError, VfioOptions, VfioPciDevice,
 };
+pub use vfio_user::{open_user_device, UserConnection, UserDeviceOps, UserDmaTarget, UserError};

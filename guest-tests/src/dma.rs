@@ -6,6 +6,8 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::ptr::NonNull;
 
+use crate::pcidev::Mmio;
+
 /// The page size (x86-64).
 pub const PAGE_SIZE: usize = 4096;
 
@@ -133,9 +135,201 @@ impl Drop for PinnedPage {
     }
 }
 
+/// The physical addresses of the `count` pages from this process's virtual address `vaddr`
+/// (page-aligned) on, read from `/proc/self/pagemap` in one go.
+pub fn physical_pages(vaddr: usize, count: usize) -> Result<Vec<u64>, String> {
+    let file = File::open("/proc/self/pagemap").map_err(|e| format!("/proc/self/pagemap: {e}"))?;
+    let mut entries = vec![0u8; count * 8];
+    file.read_exact_at(&mut entries, (vaddr / PAGE_SIZE * 8) as u64)
+        .map_err(|e| format!("/proc/self/pagemap entries of {count} pages from {vaddr:#x}: {e}"))?;
+    entries
+        .chunks_exact(8)
+        .enumerate()
+        .map(|(i, bytes)| {
+            let mut entry = [0u8; 8];
+            entry.copy_from_slice(bytes);
+            let entry = u64::from_ne_bytes(entry);
+            let at = vaddr + i * PAGE_SIZE;
+            match decode_pagemap(entry) {
+                PageEntry::Present { pfn } => Ok(pfn * PAGE_SIZE as u64),
+                PageEntry::PfnHidden => Err(format!("pagemap hides the PFN of {at:#x} (needs CAP_SYS_ADMIN)")),
+                PageEntry::Swapped => Err(format!("page of {at:#x} is swapped out")),
+                PageEntry::NotPresent => Err(format!("page of {at:#x} is not present")),
+            }
+        })
+        .collect()
+}
+
+/// A physically contiguous range of memory, as a device addresses it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Run {
+    /// Bus (here physical) address.
+    pub addr: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// The physically contiguous runs of the `len` bytes at `offset` in a buffer whose pages lie
+/// at `pages` (one physical address per page, in order): neighbouring pages merge when the
+/// second starts where the first ends. `None` when the range leaves the buffer.
+pub fn runs(pages: &[u64], offset: u64, len: u64) -> Option<Vec<Run>> {
+    let page = PAGE_SIZE as u64;
+    let end = offset.checked_add(len)?;
+    if end > (pages.len() as u64).checked_mul(page)? {
+        return None;
+    }
+    let mut out: Vec<Run> = Vec::new();
+    let mut at = offset;
+    while at < end {
+        let within = at % page;
+        let n = (page - within).min(end - at);
+        let addr = *pages.get(usize::try_from(at / page).ok()?)? + within;
+        match out.last_mut() {
+            Some(run) if run.addr.checked_add(run.len) == Some(addr) => run.len += n,
+            _ => out.push(Run { addr, len: n }),
+        }
+        at += n;
+    }
+    Some(out)
+}
+
+/// Locked anonymous memory of whole pages that devices DMA into and out of. Like
+/// [`PinnedPage`], every access is volatile; it reads and writes through [`Mmio`] like a BAR,
+/// so that one routine fills or checks either.
+#[derive(Debug)]
+pub struct PinnedBuffer {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+impl PinnedBuffer {
+    /// Maps, locks and touches `len` bytes (rounded up to whole pages, at least one).
+    pub fn new(len: usize) -> Result<PinnedBuffer, String> {
+        let len = len.max(1).div_ceil(PAGE_SIZE) * PAGE_SIZE;
+        // SAFETY: a fresh private anonymous mapping at an address the kernel picks; nothing
+        // existing is replaced. The result is checked before use.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(format!("mmap of {} KiB: {}", len >> 10, std::io::Error::last_os_error()));
+        }
+        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or("mmap of anonymous memory returned null")?;
+        // From here on, dropping the buffer unmaps it.
+        let buf = PinnedBuffer { ptr, len };
+        // SAFETY: locks exactly the range mapped above.
+        if unsafe { libc::mlock(buf.ptr.as_ptr().cast(), len) } != 0 {
+            return Err(format!("mlock of {} KiB: {}", len >> 10, std::io::Error::last_os_error()));
+        }
+        for page in (0..len).step_by(PAGE_SIZE) {
+            // SAFETY: `page < len`, inside the mapped, writable range; a write gives the page its
+            // own frame (a read would map the shared zero page).
+            unsafe { std::ptr::write_volatile(buf.ptr.as_ptr().add(page), 0) };
+        }
+        Ok(buf)
+    }
+
+    /// Bytes mapped.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The physical address of each page, in order.
+    pub fn physical_pages(&self) -> Result<Vec<u64>, String> {
+        physical_pages(self.ptr.as_ptr() as usize, self.len / PAGE_SIZE)
+    }
+
+    /// A pointer to `size` bytes at `offset` when they lie in the buffer, naturally aligned.
+    fn at(&self, offset: usize, size: usize) -> Option<*mut u8> {
+        let fits = offset.checked_add(size).is_some_and(|end| end <= self.len);
+        // SAFETY: `offset + size <= len`, so the pointer stays inside the mapping.
+        (fits && offset % size == 0).then(|| unsafe { self.ptr.as_ptr().add(offset) })
+    }
+}
+
+impl Mmio for PinnedBuffer {
+    fn read32(&mut self, offset: usize) -> u32 {
+        // SAFETY: `at` checked bounds and alignment inside the live mapping.
+        self.at(offset, 4).map_or(u32::MAX, |p| unsafe { std::ptr::read_volatile(p.cast::<u32>()) })
+    }
+
+    fn write32(&mut self, offset: usize, value: u32) {
+        if let Some(p) = self.at(offset, 4) {
+            // SAFETY: `at` checked bounds and alignment inside the live mapping.
+            unsafe { std::ptr::write_volatile(p.cast::<u32>(), value) };
+        }
+    }
+
+    fn read64(&mut self, offset: usize) -> u64 {
+        // SAFETY: `at` checked bounds and alignment inside the live mapping.
+        self.at(offset, 8).map_or(u64::MAX, |p| unsafe { std::ptr::read_volatile(p.cast::<u64>()) })
+    }
+
+    fn write64(&mut self, offset: usize, value: u64) {
+        if let Some(p) = self.at(offset, 8) {
+            // SAFETY: `at` checked bounds and alignment inside the live mapping.
+            unsafe { std::ptr::write_volatile(p.cast::<u64>(), value) };
+        }
+    }
+}
+
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        // SAFETY: unmaps (and so unlocks) exactly the range mapped in `new`; no pointer into it
+        // outlives self.
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn test_runs_merge_contiguous_pages() {
+        let p = PAGE_SIZE as u64;
+        // Pages 0-1 contiguous, 2 elsewhere, 3 right after 2, 4 before 3 (not a continuation).
+        let pages = [10 * p, 11 * p, 40 * p, 41 * p, 5 * p];
+        assert_eq!(
+            runs(&pages, 0, 5 * p).unwrap(),
+            [Run { addr: 10 * p, len: 2 * p }, Run { addr: 40 * p, len: 2 * p }, Run { addr: 5 * p, len: p }]
+        );
+        // Unaligned start and end inside pages.
+        assert_eq!(
+            runs(&pages, p + 0x100, p).unwrap(),
+            [Run { addr: 11 * p + 0x100, len: p - 0x100 }, Run { addr: 40 * p, len: 0x100 }]
+        );
+        assert_eq!(runs(&pages, 2 * p + 8, 16).unwrap(), [Run { addr: 40 * p + 8, len: 16 }]);
+        assert_eq!(runs(&pages, 0, 0).unwrap(), []);
+        assert_eq!(runs(&pages, 4 * p, p + 1), None);
+        assert_eq!(runs(&pages, u64::MAX, 2), None);
+    }
+
+    #[test]
+    fn test_pinned_buffer_reads_and_writes_in_bounds() {
+        // Small enough for the default RLIMIT_MEMLOCK of an unprivileged test run.
+        let mut buf = PinnedBuffer::new(PAGE_SIZE + 1).unwrap();
+        assert_eq!(buf.len(), 2 * PAGE_SIZE);
+        buf.write64(PAGE_SIZE - 8, 0x0123_4567_89ab_cdef);
+        buf.write32(PAGE_SIZE, 0xdead_beef);
+        assert_eq!(buf.read64(PAGE_SIZE - 8), 0x0123_4567_89ab_cdef);
+        assert_eq!(buf.read32(PAGE_SIZE - 4), 0x0123_4567);
+        assert_eq!(buf.read32(PAGE_SIZE), 0xdead_beef);
+        assert_eq!(buf.read64(2 * PAGE_SIZE - 4), u64::MAX);
+        assert_eq!(buf.read32(2), u32::MAX);
+        buf.write64(2 * PAGE_SIZE, 1);
+        match buf.physical_pages() {
+            Ok(pages) => assert_eq!(pages.len(), 2),
+            Err(e) => assert!(e.contains("CAP_SYS_ADMIN"), "{e}"),
+        }
+    }
 
     #[test]
     fn test_decode_pagemap() {

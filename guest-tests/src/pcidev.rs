@@ -19,6 +19,8 @@ pub const COMMAND_BUS_MASTER: u16 = 1 << 2;
 const COMMAND_OFFSET: u64 = 4;
 /// `IORESOURCE_MEM` in a sysfs `resource` line's flags.
 const IORESOURCE_MEM: u64 = 0x200;
+/// `IORESOURCE_PREFETCH` in a sysfs `resource` line's flags.
+const IORESOURCE_PREFETCH: u64 = 0x2000;
 
 /// The sysfs directory of function `bdf` under `root`.
 pub fn function_dir(root: &Path, bdf: &str) -> PathBuf {
@@ -71,6 +73,11 @@ impl Resource {
     pub fn is_mem(&self) -> bool {
         self.flags & IORESOURCE_MEM != 0
     }
+
+    /// A prefetchable memory resource.
+    pub fn is_prefetchable(&self) -> bool {
+        self.is_mem() && self.flags & IORESOURCE_PREFETCH != 0
+    }
 }
 
 /// Parses one `resource` line.
@@ -109,6 +116,22 @@ pub fn enable(dir: &Path) -> Result<String, String> {
 /// Sets `bits` in the Command register by read-modify-write of sysfs `config`; returns the
 /// register before and after (as read back).
 pub fn set_command_bits(dir: &Path, bits: u16) -> Result<(u16, u16), String> {
+    update_command(dir, |c| c | bits)
+}
+
+/// Clears `bits` in the Command register, as [`set_command_bits`] sets them.
+pub fn clear_command_bits(dir: &Path, bits: u16) -> Result<(u16, u16), String> {
+    update_command(dir, |c| c & !bits)
+}
+
+/// The Command register.
+pub fn command(dir: &Path) -> Result<u16, String> {
+    update_command(dir, |c| c).map(|(before, _)| before)
+}
+
+/// Read-modify-write of the Command register (no write when `f` changes nothing); the
+/// register before and after, as read back.
+fn update_command(dir: &Path, f: impl FnOnce(u16) -> u16) -> Result<(u16, u16), String> {
     let path = dir.join("config");
     let file = OpenOptions::new().read(true).write(true).open(&path).map_err(|e| format!("{}: {e}", path.display()))?;
     let read = || -> Result<u16, String> {
@@ -118,11 +141,80 @@ pub fn set_command_bits(dir: &Path, bits: u16) -> Result<(u16, u16), String> {
         Ok(u16::from_le_bytes(b))
     };
     let before = read()?;
-    if before & bits != bits {
-        file.write_all_at(&(before | bits).to_le_bytes(), COMMAND_OFFSET)
+    let want = f(before);
+    if want != before {
+        file.write_all_at(&want.to_le_bytes(), COMMAND_OFFSET)
             .map_err(|e| format!("writing Command to {}: {e}", path.display()))?;
     }
     Ok((before, read()?))
+}
+
+/// The function's vendor and device ID from sysfs `vendor` and `device`.
+pub fn ids(dir: &Path) -> Result<(u16, u16), String> {
+    let id = |file: &str| {
+        let path = dir.join(file);
+        read_hex(&path)
+            .and_then(|v| u16::try_from(v).ok())
+            .ok_or_else(|| format!("{} is unreadable or not a 16-bit hex ID", path.display()))
+    };
+    Ok((id("vendor")?, id("device")?))
+}
+
+/// A function this process turned on (`enable`, Command bits) and turns back to how it found
+/// it: on [`Claim::release`], or quietly when dropped.
+#[derive(Debug)]
+pub struct Claim {
+    dir: PathBuf,
+    /// The Command register before the claim.
+    command_before: u16,
+    /// The Command bits the claim set.
+    bits: u16,
+    /// Whether `enable` read 0 before (so the claim wrote 1).
+    was_disabled: bool,
+    released: bool,
+}
+
+impl Claim {
+    /// Enables the function (sysfs `enable`) and sets `bits` in its Command register;
+    /// a diagnostic line with what it found and left.
+    pub fn take(dir: &Path, bits: u16) -> Result<(Claim, String), String> {
+        let command_before = command(dir)?;
+        let enable_before = enable(dir)?;
+        // From here on, dropping the claim (on an error too) restores the function.
+        let claim =
+            Claim { dir: dir.to_owned(), command_before, bits, was_disabled: enable_before == "0", released: false };
+        let (_, after) = set_command_bits(dir, bits)?;
+        let line = format!("enable was {enable_before}, Command {command_before:#06x} -> {after:#06x}");
+        if after & bits != bits {
+            return Err(format!("{line}: bits {bits:#06x} did not stick"));
+        }
+        Ok((claim, line))
+    }
+
+    /// Puts `enable` and the claimed Command bits back as they were; a diagnostic line.
+    pub fn release(mut self) -> Result<String, String> {
+        self.released = true;
+        self.restore()
+    }
+
+    fn restore(&self) -> Result<String, String> {
+        let (before, after) = clear_command_bits(&self.dir, self.bits & !self.command_before)?;
+        let mut line = format!("Command {before:#06x} -> {after:#06x}");
+        if self.was_disabled {
+            let path = self.dir.join("enable");
+            std::fs::write(&path, "0").map_err(|e| format!("{line}; writing 0 to {}: {e}", path.display()))?;
+            line.push_str(", enable back to 0");
+        }
+        Ok(line)
+    }
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        if !self.released {
+            let _ = self.restore();
+        }
+    }
 }
 
 /// The function's MSI/MSI-X vectors from `msi_irqs/`: (Linux IRQ number, mode `msi` or
@@ -300,9 +392,9 @@ mod tests {
         let r = parse_resource_line("0x0000000380000000 0x0000000383ffffff 0x000000000014220c").unwrap();
         assert_eq!(r.start, 0x3_8000_0000);
         assert_eq!(r.size(), 64 << 20);
-        assert!(r.is_mem());
+        assert!(r.is_mem() && r.is_prefetchable());
         let io = parse_resource_line("0x000000000000c000 0x000000000000c01f 0x0000000000040101").unwrap();
-        assert!(!io.is_mem());
+        assert!(!io.is_mem() && !io.is_prefetchable());
         assert_eq!(parse_resource_line("0x0000000000000000 0x0000000000000000 0x0000000000000000").unwrap().size(), 0);
         assert_eq!(parse_resource_line("0x1 0x2"), None);
         assert_eq!(parse_resource_line("1000 2000 200"), None);
@@ -343,6 +435,32 @@ mod tests {
         std::fs::write(ivshmem.join("msi_irqs/9"), "msix\n").unwrap();
         assert_eq!(msi_irqs(&ivshmem), [(9, "msix".to_owned()), (27, "msix".to_owned())]);
         assert_eq!(driver(&ivshmem), None);
+    }
+
+    #[test]
+    fn test_ids_and_a_claim_put_back() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = function_dir(root.path(), "0000:04:00.0");
+        fake_function(&dir, "0x15b3\n", "0x101b\n", "");
+        assert_eq!(ids(&dir).unwrap(), (0x15b3, 0x101b));
+        std::fs::write(dir.join("device"), "0x12345\n").unwrap();
+        assert!(ids(&dir).unwrap_err().contains("not a 16-bit hex ID"));
+
+        // Memory decode was on, bus mastering off, the function disabled.
+        let (claim, line) = Claim::take(&dir, COMMAND_MEMORY | COMMAND_BUS_MASTER).unwrap();
+        assert_eq!(line, "enable was 0, Command 0x0002 -> 0x0006");
+        assert_eq!(command(&dir).unwrap(), 0x0006);
+        assert_eq!(claim.release().unwrap(), "Command 0x0006 -> 0x0002, enable back to 0");
+        assert_eq!(command(&dir).unwrap(), 0x0002);
+        assert_eq!(std::fs::read_to_string(dir.join("enable")).unwrap(), "0");
+
+        // Dropped without a release: put back all the same. Enabled before: left enabled.
+        std::fs::write(dir.join("enable"), "1\n").unwrap();
+        let (claim, _) = Claim::take(&dir, COMMAND_BUS_MASTER).unwrap();
+        drop(claim);
+        assert_eq!(command(&dir).unwrap(), 0x0002);
+        assert_eq!(std::fs::read_to_string(dir.join("enable")).unwrap(), "1\n");
+        assert_eq!(clear_command_bits(&dir, COMMAND_MEMORY).unwrap(), (0x0002, 0x0000));
     }
 
     #[test]

@@ -34,22 +34,47 @@ pub mod guests {
     pub const VFIO_LAB_INTX: &str = "vfio-lab-intx-1cpu-1g";
     /// vfio-lab under the chaos suite: random config and BAR writes, then the guest's verdict.
     pub const VFIO_LAB_CHAOS: &str = "vfio-lab-chaos-1cpu-1g";
+    /// minimal with peer-to-peer off: the emulated NIC must not reach the GPU's BAR.
+    pub const MINIMAL_NO_P2P: &str = "minimal-no-p2p-2cpu-1g";
+    /// minimal whose NIC emulator dies (SIGKILL) in the middle of the gdr suite.
+    pub const NIC_DIES: &str = "minimal-nic-dies-2cpu-1g";
+    /// minimal whose NIC emulator answers every request with an error mid-suite.
+    pub const NIC_ERRORS: &str = "minimal-nic-errors-2cpu-1g";
+    /// minimal whose NIC emulator stops answering mid-suite.
+    pub const NIC_HANGS: &str = "minimal-nic-hangs-2cpu-1g";
 }
 
-/// vfio-lab with peer-to-peer off, written where the batch can find it (the harness
+/// The register write of the gdr suite's NIC at which the fault tests' emulator fails:
+/// past the register checks and the ring set-up, among the transfers.
+const FAULT_AT: u32 = 12;
+
+/// A preset with `edit` applied, written where the batch can find it (the harness
 /// carries node files into L1).
-fn no_p2p_node() -> Result<String, String> {
-    let text = gdrvm_model::node::Node::preset_text("vfio-lab").ok_or("no vfio-lab preset")?;
-    let text = text.replacen("description =", "p2p = false\ndescription =", 1);
+fn variant_node(preset: &str, name: &str, edit: impl Fn(&str) -> String) -> Result<String, String> {
+    let text = gdrvm_model::node::Node::preset_text(preset).ok_or(format!("no {preset} preset"))?;
     let dir = gdrvm_harness::gdrvm_dir().join("e2e");
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let path = dir.join("vfio-lab-no-p2p.toml");
-    std::fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let path = dir.join(format!("{name}.toml"));
+    std::fs::write(&path, edit(text)).map_err(|e| format!("{}: {e}", path.display()))?;
     Ok(path.display().to_string())
 }
 
+/// minimal with nic0's emulator failing as `fault` says.
+fn faulty_nic(kind: &str) -> Result<String, String> {
+    variant_node("minimal", &format!("minimal-nic-{kind}"), |text| {
+        text.replacen(
+            "name = \"nic0\"\n",
+            &format!("name = \"nic0\"\nemulator_args = [\"--fault\", \"{kind}@{FAULT_AT}\"]\n"),
+            1,
+        )
+    })
+}
+
 fn specs(a: &Artifacts) -> Result<Vec<VmSpec>, String> {
-    let no_p2p = no_p2p_node()?;
+    let p2p_off = |t: &str| t.replacen("description =", "p2p = false\ndescription =", 1);
+    let no_p2p = variant_node("vfio-lab", "vfio-lab-no-p2p", p2p_off)?;
+    let minimal_no_p2p = variant_node("minimal", "minimal-no-p2p", p2p_off)?;
+    let (dies, errors, hangs) = (faulty_nic("exit")?, faulty_nic("error")?, faulty_nic("hang")?);
     let spec = |name: &str, cmdline: &str, cpus: u32, memory: &str| VmSpec {
         name: name.into(),
         vmm: Vmm::Gdrvm,
@@ -60,6 +85,10 @@ fn specs(a: &Artifacts) -> Result<Vec<VmSpec>, String> {
             guests::MINIMAL => Some("minimal".to_owned()),
             guests::VFIO_LAB | guests::VFIO_LAB_INTX | guests::VFIO_LAB_CHAOS => Some("vfio-lab".to_owned()),
             guests::VFIO_LAB_NO_P2P => Some(no_p2p.clone()),
+            guests::MINIMAL_NO_P2P => Some(minimal_no_p2p.clone()),
+            guests::NIC_DIES => Some(dies.clone()),
+            guests::NIC_ERRORS => Some(errors.clone()),
+            guests::NIC_HANGS => Some(hangs.clone()),
             _ => None,
         },
         cmdline: cmdline.into(),
@@ -74,7 +103,12 @@ fn specs(a: &Artifacts) -> Result<Vec<VmSpec>, String> {
         spec(guests::NO_INIT, "console=ttyS0 quiet panic=-1 rdinit=/no/such/init", 1, "256M"),
         spec(guests::VELA_NUMA, "console=ttyS0 quiet panic=-1 gdrvm.suites=smoke,topology", 4, "1G"),
         spec(guests::FLAT, "console=ttyS0 quiet panic=-1 gdrvm.suites=smoke,topology", 2, "1G"),
-        spec(guests::MINIMAL, "console=ttyS0 quiet panic=-1 gdrvm.suites=smoke,topology", 2, "1G"),
+        // Emulated GPU and NIC: the GPUDirect path, its P2P-off negative, and devices that die.
+        spec(guests::MINIMAL, "console=ttyS0 quiet panic=-1 gdrvm.suites=smoke,topology,gdr", 2, "1G"),
+        spec(guests::MINIMAL_NO_P2P, "console=ttyS0 quiet panic=-1 gdrvm.suites=gdr", 2, "1G"),
+        spec(guests::NIC_DIES, "console=ttyS0 quiet panic=-1 gdrvm.suites=gdr", 2, "1G"),
+        spec(guests::NIC_ERRORS, "console=ttyS0 quiet panic=-1 gdrvm.suites=gdr", 2, "1G"),
+        spec(guests::NIC_HANGS, "console=ttyS0 quiet panic=-1 gdrvm.suites=gdr", 2, "1G"),
         // One vCPU: see the vfio-lab preset. Both share one lab L1.
         spec(guests::VFIO_LAB, "console=ttyS0 quiet panic=-1 gdrvm.suites=vfio,topology", 1, "1G"),
         spec(guests::VFIO_LAB_NO_P2P, "console=ttyS0 quiet panic=-1 gdrvm.suites=vfio", 1, "1G"),

@@ -4,6 +4,10 @@
 //! - `topology`: the same guest on vela-a100 and on minimal, alternating: the ratio is the
 //!   cost of a big PCIe tree (config accesses, ACPI namespace) to the time to the agent.
 //! - `ecam`: criterion's figures for one ECAM access, against a reference in the same run.
+//! - `p2p`: criterion's figures for the emulated NIC's DMA into an emulated GPU's BAR
+//!   against host memcpy of the same sizes, and a trapped BAR read through the emulator
+//!   against an in-VMM register read; then vela-a100 with emulated GPUs and NICs against
+//!   the same tree hollow, time to the agent, alternating.
 
 use std::time::Duration;
 
@@ -220,6 +224,68 @@ pub async fn vfio(runner: &Runner, rounds: usize) -> Result<()> {
             "xtask: bench: mapped BAR reads at {m:.3} of RAM speed, trapped at {t:.5}; mapped / trapped = {:.0}",
             m / t
         ),
+        _ => println!("xtask: bench: ratio n/a (fewer than {MIN_SAMPLES} samples of a kind)"),
+    }
+    Ok(())
+}
+
+/// vela-a100 with every endpoint hollow (`backing = "none"`), written under
+/// `target/gdrvm/bench`: the reference for what the emulators cost a boot.
+fn hollow_vela() -> Result<String> {
+    let text =
+        gdrvm_model::node::Node::preset_text("vela-a100").ok_or_else(|| anyhow::anyhow!("no vela-a100 preset"))?;
+    let text = text.replace("backing = \"emulated-gpu\"\n", "").replace("backing = \"emulated-nic\"\n", "");
+    let dir = gdrvm_harness::gdrvm_dir().join("bench");
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join("vela-a100-hollow.toml");
+    std::fs::write(&path, text)?;
+    Ok(path.display().to_string())
+}
+
+/// Runs the p2p criterion benchmark (emulated DMA against memcpy, trapped emulator
+/// register against an in-VMM one; its own output is the report), then vela-a100 booted
+/// with its emulators against the same tree hollow.
+pub async fn p2p(runner: &Runner, rounds: usize) -> Result<()> {
+    println!("xtask: bench p2p: criterion, emulated NIC DMA into an emulated GPU BAR against memcpy (target >= 0.70)");
+    let status = std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args(["bench", "-p", "gdrvm-devices", "--bench", "p2p", "--", "--noplot"])
+        .status()?;
+    if !status.success() {
+        bail!("cargo bench failed: {status}");
+    }
+    if rounds < 1 {
+        bail!("--rounds must be at least 1");
+    }
+    let hollow = hollow_vela()?;
+    let nodes = [("emulated", "vela-a100".to_owned()), ("hollow", hollow)];
+    println!(
+        "xtask: bench p2p: {rounds} rounds of vela-a100 emulated and hollow, alternating, {:?} runner",
+        runner.kind
+    );
+    let specs: Vec<VmSpec> = (0..rounds)
+        .flat_map(|round| {
+            nodes.iter().map(move |(kind, node)| VmSpec {
+                name: format!("{kind} #{round}"),
+                vmm: Vmm::Gdrvm,
+                image: runner.artifacts.guest.clone(),
+                node: Some(node.clone()),
+                cmdline: "console=ttyS0 quiet panic=-1 gdrvm.suites=".into(),
+                cpus: 2,
+                memory: "1G".into(),
+                timeout: Duration::from_secs(180),
+            })
+        })
+        .collect();
+    let results = runner.run(&specs).await?;
+    let mut medians = Vec::new();
+    for (kind, _) in &nodes {
+        let mine: Vec<&VmResult> = results.iter().filter(|r| r.name.starts_with(&format!("{kind} #"))).collect();
+        let times: Vec<f64> = mine.iter().filter_map(|r| r.time_to_ktap.map(|d| d.as_secs_f64())).collect();
+        medians.push(print_median(&format!("vela-a100 {kind:<8} time to agent"), &times, mine.len()));
+    }
+    print_l1_incidents(&results);
+    match (medians[0], medians[1]) {
+        (Some(e), Some(h)) => println!("xtask: bench: ratio emulated / hollow = {:.3} (target <= 1.15)", e / h),
         _ => println!("xtask: bench: ratio n/a (fewer than {MIN_SAMPLES} samples of a kind)"),
     }
     Ok(())

@@ -210,6 +210,17 @@ enum BenchCmd {
     /// ECAM config-access dispatch cost (criterion, no VM exit), against a lock-and-copy
     /// reference in the same process.
     Ecam,
+    /// Emulated peer-to-peer DMA (NIC emulator into a GPU emulator's BAR) against host
+    /// memcpy, a trapped emulator register read against an in-VMM one (criterion), and
+    /// vela-a100's time to the agent with its emulators against the same tree hollow.
+    P2p {
+        /// Boots of each kind (the median is reported).
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+        /// Where VMs run.
+        #[arg(long, value_enum, default_value = "auto")]
+        runner: RunnerArg,
+    },
     /// Guest reads of a passed-through BAR (vfio-lab's ivshmem), mapped and trapped, each
     /// against guest RAM reads in the same guest; nested, in the lab L1.
     Vfio {
@@ -246,6 +257,7 @@ fn main() -> ExitCode {
         Cmd::Bench { what: BenchCmd::Topology { rounds, runner: arg } } => bench_topology(rounds, arg),
         Cmd::Bench { what: BenchCmd::Ecam } => bench::ecam().map(|_| exit::PASS),
         Cmd::Bench { what: BenchCmd::Vfio { rounds } } => bench_vfio(rounds),
+        Cmd::Bench { what: BenchCmd::P2p { rounds, runner: arg } } => bench_p2p(rounds, arg),
     };
     match code {
         Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
@@ -417,6 +429,15 @@ fn bench_vfio(rounds: usize) -> Result<i32> {
         // The lab's devices exist only in its L1.
         let runner = runner(artifacts, RunnerArg::Nested, false).await?;
         bench::vfio(&runner, rounds).await?;
+        Ok(exit::PASS)
+    })
+}
+
+fn bench_p2p(rounds: usize, arg: RunnerArg) -> Result<i32> {
+    let artifacts = build::artifacts()?;
+    run_interruptible(async {
+        let runner = runner(artifacts, arg, false).await?;
+        bench::p2p(&runner, rounds).await?;
         Ok(exit::PASS)
     })
 }

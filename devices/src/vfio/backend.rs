@@ -63,11 +63,12 @@ impl std::fmt::Display for IrqKind {
 
 /// One region of a VFIO device (a BAR, the ROM, the configuration space), as
 /// `VFIO_DEVICE_GET_REGION_INFO` describes it.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default)]
 pub struct RegionInfo {
     /// Size in bytes.
     pub size: u64,
-    /// Where the region starts in the device file (for `pread` and `mmap`).
+    /// Where the region starts in `mmap_fd` (for a VFIO device, the device file, also for
+    /// `pread`).
     pub offset: u64,
     /// Reads are allowed.
     pub readable: bool,
@@ -75,6 +76,9 @@ pub struct RegionInfo {
     pub writable: bool,
     /// The region may be mmapped.
     pub mmap: bool,
+    /// The file the region is mmapped from, at `offset`, when `mmap` (the VFIO device
+    /// file; a vfio-user server's region fd).
+    pub mmap_fd: Option<Arc<File>>,
     /// With a sparse-mmap capability, the only parts that may be mmapped (offsets from the
     /// region's start); `None`: all of it, when `mmap`.
     pub sparse_mmap: Option<Vec<Range<u64>>>,
@@ -92,17 +96,15 @@ pub trait VfioDeviceOps: Send {
     /// The vectors of `kind` the device offers (0: none).
     fn irq_count(&self, kind: IrqKind) -> u32;
     /// Signals vector `i` of `kind` on `fds[i]` from now on.
-    fn enable_irq(&self, kind: IrqKind, fds: &[&EventFd]) -> Result<(), IoctlError>;
+    fn enable_irq(&self, kind: IrqKind, fds: &[&EventFd]) -> io::Result<()>;
     /// Stops every vector of `kind`.
-    fn disable_irq(&self, kind: IrqKind) -> Result<(), IoctlError>;
+    fn disable_irq(&self, kind: IrqKind) -> io::Result<()>;
     /// Unmasks INTx whenever `fd` is signalled (the guest's EOI, through KVM's resample).
-    fn set_intx_resample(&self, fd: &EventFd) -> Result<(), IoctlError>;
+    fn set_intx_resample(&self, fd: &EventFd) -> io::Result<()>;
     /// Whether `VFIO_DEVICE_RESET` is offered (FLR, a PM reset, a bus reset of a lone device).
     fn can_reset(&self) -> bool;
     /// `VFIO_DEVICE_RESET`.
     fn reset(&self) -> io::Result<()>;
-    /// The device file, which BARs are mmapped from.
-    fn file(&self) -> Arc<File>;
 }
 
 /// What gdrvm needs of a VFIO container: its IOMMU mappings.
@@ -156,8 +158,9 @@ impl IoctlDevice {
         if ret < 0 {
             return Err(io::Error::last_os_error());
         }
-        let regions = (0..=VFIO_PCI_CONFIG_REGION_INDEX).map(|index| region_info(&device, index)).collect();
-        Ok(IoctlDevice { file: Arc::new(file), regions, can_reset: info.flags & VFIO_DEVICE_FLAGS_RESET != 0, device })
+        let file = Arc::new(file);
+        let regions = (0..=VFIO_PCI_CONFIG_REGION_INDEX).map(|index| region_info(&device, &file, index)).collect();
+        Ok(IoctlDevice { file, regions, can_reset: info.flags & VFIO_DEVICE_FLAGS_RESET != 0, device })
     }
 
     /// Region `index` with `len` bytes at `offset` inside it: the file offset.
@@ -170,8 +173,8 @@ impl IoctlDevice {
     }
 }
 
-/// Region `index` of `device`, from what `vfio-ioctls` read at open.
-fn region_info(device: &VfioDevice, index: u32) -> Option<RegionInfo> {
+/// Region `index` of `device` (whose file is `file`), from what `vfio-ioctls` read at open.
+fn region_info(device: &VfioDevice, file: &Arc<File>, index: u32) -> Option<RegionInfo> {
     let size = device.get_region_size(index);
     if size == 0 {
         return None;
@@ -181,12 +184,14 @@ fn region_info(device: &VfioDevice, index: u32) -> Option<RegionInfo> {
         VfioRegionInfoCap::SparseMmap(s) => Some(s.areas.iter().map(|a| a.offset..a.offset + a.size).collect()),
         _ => None,
     });
+    let mmap = flags & VFIO_REGION_INFO_FLAG_MMAP != 0;
     Some(RegionInfo {
         size,
         offset: device.get_region_offset(index),
         readable: flags & VFIO_REGION_INFO_FLAG_READ != 0,
         writable: flags & VFIO_REGION_INFO_FLAG_WRITE != 0,
-        mmap: flags & VFIO_REGION_INFO_FLAG_MMAP != 0,
+        mmap,
+        mmap_fd: mmap.then(|| file.clone()),
         sparse_mmap,
     })
 }
@@ -208,16 +213,16 @@ impl VfioDeviceOps for IoctlDevice {
         self.device.get_irq_info(kind.index()).map_or(0, |irq| irq.count)
     }
 
-    fn enable_irq(&self, kind: IrqKind, fds: &[&EventFd]) -> Result<(), IoctlError> {
-        self.device.enable_irq(kind.index(), fds.to_vec())
+    fn enable_irq(&self, kind: IrqKind, fds: &[&EventFd]) -> io::Result<()> {
+        self.device.enable_irq(kind.index(), fds.to_vec()).map_err(io::Error::other)
     }
 
-    fn disable_irq(&self, kind: IrqKind) -> Result<(), IoctlError> {
-        self.device.disable_irq(kind.index())
+    fn disable_irq(&self, kind: IrqKind) -> io::Result<()> {
+        self.device.disable_irq(kind.index()).map_err(io::Error::other)
     }
 
-    fn set_intx_resample(&self, fd: &EventFd) -> Result<(), IoctlError> {
-        self.device.set_irq_resample_fd(IrqKind::Intx.index(), vec![fd])
+    fn set_intx_resample(&self, fd: &EventFd) -> io::Result<()> {
+        self.device.set_irq_resample_fd(IrqKind::Intx.index(), vec![fd]).map_err(io::Error::other)
     }
 
     fn can_reset(&self) -> bool {
@@ -231,9 +236,5 @@ impl VfioDeviceOps for IoctlDevice {
             return Err(io::Error::last_os_error());
         }
         Ok(())
-    }
-
-    fn file(&self) -> Arc<File> {
-        self.file.clone()
     }
 }

@@ -334,13 +334,14 @@ fn describe_bars(backend: &dyn VfioDeviceOps, config: &[u8], msix: Option<&MsixL
         let region = backend.region(u32::from(index)).filter(|r| r.size > 0);
         // A 64-bit BAR needs the next register too: in BAR 5 it is malformed.
         if let Some(region) = region.filter(|_| !is_io && (!is_64bit || index < 5)) {
-            let mapping = if !region.mmap || region.size < PAGE_SIZE {
-                BarMapping::Trapped
-            } else {
-                let holes = holes(index, &region, msix);
-                match holes.first() {
-                    Some(h) if *h == (0..region.size) => BarMapping::Trapped,
-                    _ => BarMapping::Mapped { fd: backend.file(), offset: region.offset, holes },
+            let mapping = match region.mmap_fd.clone().filter(|_| region.mmap && region.size >= PAGE_SIZE) {
+                None => BarMapping::Trapped,
+                Some(fd) => {
+                    let holes = holes(index, &region, msix);
+                    match holes.first() {
+                        Some(h) if *h == (0..region.size) => BarMapping::Trapped,
+                        _ => BarMapping::Mapped { fd, offset: region.offset, holes },
+                    }
                 }
             };
             let prefetchable = reg & PCI_BASE_ADDRESS_MEM_PREFETCH != 0;

@@ -127,7 +127,7 @@ pub enum VfioError {
         /// Vectors offered.
         offered: u32,
     },
-    /// VFIO refused to enable or disable interrupts.
+    /// VFIO (or a vfio-user server) refused to enable or disable interrupts.
     #[error("VFIO could not {action} {kind} on device {name}")]
     Irq {
         /// The device.
@@ -136,9 +136,9 @@ pub enum VfioError {
         kind: IrqKind,
         /// `enable` or `disable`.
         action: &'static str,
-        /// The ioctl's error.
+        /// The backend's error (an ioctl's, a vfio-user server's).
         #[source]
-        source: IoctlError,
+        source: io::Error,
     },
 }
 

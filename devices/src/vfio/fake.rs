@@ -109,7 +109,15 @@ pub(crate) struct FakeDevice {
 
 /// The region info the fake uses for BAR `index` of `size` bytes.
 pub(crate) fn region(index: u32, size: u64, mmap: bool, sparse: Option<Vec<std::ops::Range<u64>>>) -> RegionInfo {
-    RegionInfo { size, offset: u64::from(index) << 40, readable: true, writable: true, mmap, sparse_mmap: sparse }
+    RegionInfo {
+        size,
+        offset: u64::from(index) << 40,
+        readable: true,
+        writable: true,
+        mmap,
+        mmap_fd: None,
+        sparse_mmap: sparse,
+    }
 }
 
 impl FakeDevice {
@@ -135,6 +143,11 @@ impl FakeDevice {
         };
         let file = File::open("/dev/null").expect("/dev/null opens");
         FakeDevice { state: Arc::new(Mutex::new(state)), file: Arc::new(file) }
+    }
+
+    /// The device file every mmappable region is mapped from.
+    pub fn file(&self) -> Arc<File> {
+        self.file.clone()
     }
 
     /// The calls so far, taken.
@@ -170,7 +183,12 @@ impl FakeDevice {
 
 impl VfioDeviceOps for FakeDevice {
     fn region(&self, index: u32) -> Option<RegionInfo> {
-        lock(&self.state).regions.get(&index).cloned()
+        let mut region = lock(&self.state).regions.get(&index).cloned()?;
+        // Like a VFIO device, every mmappable region is mapped from the device file.
+        if region.mmap && region.mmap_fd.is_none() {
+            region.mmap_fd = Some(self.file.clone());
+        }
+        Some(region)
     }
 
     fn read(&self, index: u32, offset: u64, data: &mut [u8]) -> io::Result<()> {
@@ -206,21 +224,21 @@ impl VfioDeviceOps for FakeDevice {
         lock(&self.state).irqs.get(&kind).copied().unwrap_or(0)
     }
 
-    fn enable_irq(&self, kind: IrqKind, fds: &[&EventFd]) -> Result<(), IoctlError> {
+    fn enable_irq(&self, kind: IrqKind, fds: &[&EventFd]) -> io::Result<()> {
         let mut state = lock(&self.state);
         if state.fail_io {
-            return Err(IoctlError::VfioDeviceEnableIrq);
+            return Err(io::Error::other(IoctlError::VfioDeviceEnableIrq));
         }
         state.calls.push(Call::Enable(kind, fds.len()));
         Ok(())
     }
 
-    fn disable_irq(&self, kind: IrqKind) -> Result<(), IoctlError> {
+    fn disable_irq(&self, kind: IrqKind) -> io::Result<()> {
         lock(&self.state).calls.push(Call::Disable(kind));
         Ok(())
     }
 
-    fn set_intx_resample(&self, _fd: &EventFd) -> Result<(), IoctlError> {
+    fn set_intx_resample(&self, _fd: &EventFd) -> io::Result<()> {
         lock(&self.state).calls.push(Call::Resample);
         Ok(())
     }
@@ -236,10 +254,6 @@ impl VfioDeviceOps for FakeDevice {
         }
         state.calls.push(Call::Reset);
         Ok(())
-    }
-
-    fn file(&self) -> Arc<File> {
-        self.file.clone()
     }
 }
 

@@ -2,6 +2,7 @@
 
 mod barbench;
 mod chaos;
+mod gdr;
 mod lspci;
 mod pci;
 mod smoke;
@@ -12,10 +13,11 @@ use crate::context::Context;
 use crate::ktap::{Check, SuiteReport, Verdict};
 
 /// Names of every suite, in the order `all` runs them.
-pub const SUITES: &[&str] = &["smoke", "topology", "vfio", "barbench", "chaos"];
+pub const SUITES: &[&str] = &["smoke", "topology", "vfio", "barbench", "gdr", "chaos"];
 
 /// What `run all` runs: the suites that only read. `vfio` drives devices (brings NICs up,
-/// sends frames, starts DMA) and runs only when named, on a node made for it.
+/// sends frames, starts DMA) and runs only when named, on a node made for it; so does `gdr`,
+/// which drives the emulated GPUs and NICs (bus mastering, DMA into their BARs).
 /// `chaos` scribbles over every PCI function on purpose and runs only when named, last.
 pub const ALL: &[&str] = &["smoke", "topology"];
 
@@ -26,6 +28,7 @@ pub fn run(name: &str, ctx: &Context) -> SuiteReport {
         "topology" => topology::run(ctx),
         "vfio" => vfio::run(ctx),
         "barbench" => barbench::run(ctx),
+        "gdr" => gdr::run(ctx),
         "chaos" => chaos::run(ctx),
         other => vec![Check::new(
             "suite_exists",

@@ -4,6 +4,7 @@
 mod apt_lists;
 mod bad_input;
 mod boot;
+mod emulated;
 mod nested_failure;
 mod numa;
 mod pci;

@@ -14,6 +14,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use gdrvm_devices::pci_regs::{PCI_COMMAND, PCI_COMMAND_MEMORY};
+use gdrvm_devices::vfio_user::{self, UserConnection, UserDeviceOps, UserDmaTarget};
 use gdrvm_devices::{
     lock, BarInfo, BarMapping, Bus, ConfigOwnership, ConfigWriteEffects, DeviceId, DmaRegion, DmaSpace, DmaTarget,
     MsiCapability, MsiEvent, Owner, PciDevice,
@@ -165,10 +166,27 @@ pub struct Opened {
 pub type OpenBacking<'a> = dyn Fn(&Node, usize) -> Result<Option<Opened>, String> + 'a;
 
 /// Opens the backing of function `i` of `node`: for `vfio:<BDF>`, the host device in a
-/// VFIO container of its own (its DMA target).
+/// VFIO container of its own (its DMA target); for `vfio-user:<socket>`, the server
+/// listening there; for an emulated backing, the emulator this starts.
 pub fn open_backing(node: &Node, i: usize) -> Result<Option<Opened>, String> {
-    let Backing::Vfio(bdf) = node.functions[i].backing else { return Ok(None) };
+    let f = &node.functions[i];
+    match &f.backing {
+        Backing::None => Ok(None),
+        Backing::Vfio(bdf) => open_vfio(node, *bdf).map(Some),
+        Backing::VfioUser(socket) => {
+            let conn = vfio_user::connect(&f.key, socket, vfio_user::DEFAULT_TIMEOUT).map_err(|e| e.to_string())?;
+            open_vfio_user(&f.key, conn, None).map(Some)
+        }
+        Backing::EmulatedGpu | Backing::EmulatedNic => {
+            let (emulator, stream) = Emulator::start(node, i)?;
+            let conn = UserConnection::new(&f.key, stream, vfio_user::DEFAULT_TIMEOUT).map_err(|e| e.to_string())?;
+            open_vfio_user(&f.key, conn, Some(emulator)).map(Some)
+        }
+    }
+}
 
+/// Host function `bdf` in a VFIO container of its own.
+fn open_vfio(node: &Node, bdf: gdrvm_model::host_pci::HostBdf) -> Result<Opened, String> {
     let passed_through = node
         .functions
         .iter()
@@ -185,7 +203,17 @@ pub fn open_backing(node: &Node, i: usize) -> Result<Option<Opened>, String> {
     // regions; the guest and devices touch both only through the hardware, never through
     // Rust references.
     let dma = unsafe { VfioDmaTarget::new(container) };
-    Ok(Some(Opened { device: Arc::new(Mutex::new(device)), dma: Some(Box::new(dma)), process: None }))
+    Ok(Opened { device: Arc::new(Mutex::new(device)), dma: Some(Box::new(dma)), process: None })
+}
+
+/// The device behind vfio-user connection `conn`, served by `process` when the VMM
+/// started it. It goes through the same firewall and interrupt emulation as VFIO; its DMA
+/// target maps guest RAM and peers' BARs into the server by their files.
+fn open_vfio_user(key: &str, conn: Arc<UserConnection>, process: Option<Emulator>) -> Result<Opened, String> {
+    let ops = UserDeviceOps::new(conn.clone()).map_err(|e| e.to_string())?;
+    let device = VfioPciDevice::new(key, Box::new(ops), ConfigWrites::Filtered).map_err(|e| e.to_string())?;
+    let dma = UserDmaTarget::new(conn);
+    Ok(Opened { device: Arc::new(Mutex::new(device)), dma: Some(Box::new(dma)), process })
 }
 
 impl DeviceWiring {

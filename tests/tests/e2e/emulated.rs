@@ -1,0 +1,103 @@
+//! Emulated devices behind the tree: gdrvm starts `gdrvm-gpu-emu` and `gdrvm-nic-emu` for
+//! the presets' GPUs and NICs (vfio-user over a socket pair), and the guest's `gdr` suite
+//! drives the NIC's DMA engine from userspace: host memory into the GPU's BAR and back,
+//! bandwidth reported. With peer-to-peer off the same transfers are refused; a NIC
+//! emulator that dies, errs or hangs mid-suite fails the suite, never the VMM.
+
+use gdrvm_e2e::{guests, result, skip};
+use gdrvm_harness::ktap::{CaseOutcome, SuiteResult};
+use gdrvm_harness::{VmOutcome, VmResult};
+
+/// Guest `name`'s result and a dump of it for assertion messages, or None after a SKIP.
+fn guest(name: &str, test: &str) -> Option<(VmResult, String)> {
+    match result(name) {
+        Ok(r) => {
+            let dump = format!("{:?} {:?}\n{}", r.outcome, r.problem(), r.tail().join("\n"));
+            Some((r, dump))
+        }
+        Err(why) => {
+            skip(test, &why);
+            None
+        }
+    }
+}
+
+fn suite(r: &VmResult, name: &str, dump: &str) -> SuiteResult {
+    r.ktap.suites.iter().find(|s| s.name == name).cloned().unwrap_or_else(|| panic!("no suite {name}: {dump}"))
+}
+
+fn check(s: &SuiteResult, name: &str) -> (CaseOutcome, String) {
+    let c = s.cases.iter().find(|c| c.name == name).unwrap_or_else(|| panic!("no check {name} in {}", s.name));
+    (c.outcome.clone(), c.diagnostics.join("\n"))
+}
+
+#[test]
+fn test_emulated_gpu_and_nic_carry_gpudirect_dma_on_minimal() {
+    let test = "test_emulated_gpu_and_nic_carry_gpudirect_dma_on_minimal";
+    let Some((r, dump)) = guest(guests::MINIMAL, test) else { return };
+    assert_eq!(r.outcome, VmOutcome::Exited(0), "{dump}");
+    assert!(r.ktap.all_ok(), "{dump}");
+    let gdr = suite(&r, "gdr", &dump);
+    for name in ["gpu0_registers", "nic0_registers", "nic0_ring", "nic0_host_to_gpu0", "nic0_gpu0_to_host"] {
+        let (outcome, text) = check(&gdr, name);
+        assert_eq!(outcome, CaseOutcome::Pass, "{name}: {text}\n{dump}");
+    }
+    // Every size up to 64 MiB went host -> GPU BAR with its bandwidth reported.
+    let (_, text) = check(&gdr, "nic0_host_to_gpu0");
+    assert!(text.contains("64 MiB") && text.contains("GB/s"), "{text}");
+    // NCCL's decision next to the measured figure.
+    let (outcome, text) = check(&gdr, "gdr_matrix");
+    assert_eq!(outcome, CaseOutcome::Pass, "{text}");
+    assert!(text.contains("gpu0 nic0 path PIX gdr yes"), "{text}");
+    // The topology suite passes unchanged with devices behind the functions.
+    assert!(suite(&r, "topology", &dump).cases.iter().all(|c| c.outcome != CaseOutcome::Fail), "{dump}");
+}
+
+#[test]
+fn test_without_p2p_the_nic_cannot_reach_the_gpu_bar() {
+    let test = "test_without_p2p_the_nic_cannot_reach_the_gpu_bar";
+    let Some((r, dump)) = guest(guests::MINIMAL_NO_P2P, test) else { return };
+    assert_eq!(r.outcome, VmOutcome::Exited(0), "{dump}");
+    let gdr = suite(&r, "gdr", &dump);
+    // Host memory to host memory still copies...
+    assert_eq!(check(&gdr, "nic0_host_to_host").0, CaseOutcome::Pass, "{dump}");
+    // ...but every transfer into the BAR completes with the unmapped status.
+    let (outcome, text) = check(&gdr, "nic0_host_to_gpu0");
+    assert_eq!(outcome, CaseOutcome::Pass, "{text}");
+    assert!(text.contains("refused (unmapped)"), "{text}");
+}
+
+/// A guest whose NIC emulator failed mid-suite: it reached its verdict (the VMM answered
+/// all-ones instead of hanging), and the suite failed naming the NIC.
+fn assert_device_failure_fails_the_suite(name: &str, test: &str) {
+    let Some((r, dump)) = guest(name, test) else { return };
+    assert_eq!(r.outcome, VmOutcome::Exited(1), "the guest reports the failure and exits: {dump}");
+    let gdr = suite(&r, "gdr", &dump);
+    let failed: Vec<String> = gdr
+        .cases
+        .iter()
+        .filter(|c| c.outcome == CaseOutcome::Fail)
+        .map(|c| format!("{}: {}", c.name, c.diagnostics.join(" ")))
+        .collect();
+    assert!(failed.iter().any(|f| f.starts_with("nic0")), "{failed:?}\n{dump}");
+    // The registers and the ring are set up before the fault strikes.
+    assert_eq!(check(&gdr, "nic0_registers").0, CaseOutcome::Pass, "{dump}");
+}
+
+#[test]
+fn test_a_nic_emulator_killed_mid_suite_fails_the_suite_not_the_vmm() {
+    let test = "test_a_nic_emulator_killed_mid_suite_fails_the_suite_not_the_vmm";
+    assert_device_failure_fails_the_suite(guests::NIC_DIES, test);
+}
+
+#[test]
+fn test_a_nic_emulator_answering_errors_fails_the_suite_not_the_vmm() {
+    let test = "test_a_nic_emulator_answering_errors_fails_the_suite_not_the_vmm";
+    assert_device_failure_fails_the_suite(guests::NIC_ERRORS, test);
+}
+
+#[test]
+fn test_a_nic_emulator_that_stops_answering_fails_the_suite_not_the_vmm() {
+    let test = "test_a_nic_emulator_that_stops_answering_fails_the_suite_not_the_vmm";
+    assert_device_failure_fails_the_suite(guests::NIC_HANGS, test);
+}
