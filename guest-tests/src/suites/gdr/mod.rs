@@ -46,6 +46,7 @@ pub fn run(ctx: &Context) -> Vec<Check> {
     let Some(expect) = ctx.expect.as_ref() else {
         return vec![Check::new(NAME, Verdict::Skip("no expectations: not a gdrvm guest".into()))];
     };
+    let expect = &plan::paths_by_name(expect);
     let found = plan::emulated(expect);
     if found.gpus.is_empty() && found.nics.is_empty() {
         let reason = "no PCI function is backed by emulated-gpu or emulated-nic";

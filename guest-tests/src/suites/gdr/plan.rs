@@ -40,6 +40,17 @@ pub fn aperture_bar(gpu: &PciExpectation) -> Option<&BarExpectation> {
     gpu.bars.iter().filter(|b| b.index != 0).max_by_key(|b| (b.size, std::cmp::Reverse(b.index)))
 }
 
+/// `expect` with its NCCL paths naming functions by name, as the suite does, instead of by
+/// BDF, as the expectations do.
+pub fn paths_by_name(expect: &Expectations) -> Expectations {
+    let name = |bdf: &str| expect.pci.iter().find(|f| f.bdf == bdf).map_or_else(|| bdf.to_owned(), |f| f.name.clone());
+    let mut named = expect.clone();
+    for p in &mut named.paths {
+        (p.a, p.b) = (name(&p.a), name(&p.b));
+    }
+    named
+}
+
 /// NCCL's path between `gpu` and `nic`, by name (either way round).
 pub fn path<'a>(paths: &'a [PathExpectation], gpu: &str, nic: &str) -> Option<&'a PathExpectation> {
     paths.iter().find(|p| (p.a == gpu && p.b == nic) || (p.a == nic && p.b == gpu))
@@ -162,6 +173,17 @@ pub fn rate(len: u64, elapsed: Duration) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn test_paths_by_name() {
+        use gdrvm_model::node::Node;
+        let node = Node::preset("minimal").unwrap().unwrap();
+        let (pci, paths) = node.pci_expectations();
+        let expect = Expectations { cpus: 1, memory_bytes: 1 << 30, numa: vec![], pci, paths };
+        let named = super::paths_by_name(&expect);
+        let p = super::path(&named.paths, "gpu0", "nic0").unwrap();
+        assert_eq!((p.path.to_string(), p.gdr), ("PIX".to_string(), Some(true)));
+    }
+
     use gdrvm_model::emulated::{STATUS_BAD_LENGTH, STATUS_OK};
     use gdrvm_model::nccl::PathType;
 
