@@ -78,8 +78,9 @@ enum Cmd {
         #[command(subcommand)]
         what: BenchCmd,
     },
-    /// Fuzz the node-file parser and checker with cargo-fuzz (libFuzzer), seeded with the
-    /// presets. Needs cargo-fuzz (`cargo install cargo-fuzz`) and a C++ compiler.
+    /// Run every fuzz target (node files; vfio-user messages into the emulators' server and
+    /// into the VMM's client) with cargo-fuzz (libFuzzer), each for --minutes. Needs
+    /// cargo-fuzz (`cargo install cargo-fuzz`) and a C++ compiler.
     Fuzz {
         /// How long to run.
         #[arg(long, default_value_t = 10)]
@@ -394,8 +395,12 @@ fn bench_boot(rounds: usize, arg: RunnerArg) -> Result<i32> {
     })
 }
 
-/// Runs the `node_file` fuzz target for `minutes`. libFuzzer writes new inputs to
-/// fuzz/corpus (the presets are read-only seeds) and crashes to fuzz/artifacts.
+/// The fuzz targets under fuzz/fuzz_targets, each with its read-only seed directory.
+const FUZZ_TARGETS: [(&str, Option<&str>); 3] =
+    [("node_file", Some("../model/presets")), ("vfio_user_server", None), ("vfio_user_client", None)];
+
+/// Runs every fuzz target for `minutes` each. libFuzzer writes new inputs to
+/// fuzz/corpus/<target> (the presets seed node_file) and crashes to fuzz/artifacts.
 fn fuzz(minutes: u64) -> Result<i32> {
     let have_cargo_fuzz =
         std::process::Command::new("cargo").args(["fuzz", "--version"]).output().is_ok_and(|o| o.status.success());
@@ -405,22 +410,30 @@ fn fuzz(minutes: u64) -> Result<i32> {
     }
     host::require_commands(&[("c++", "g++")])?;
     let root = build::workspace();
-    std::fs::create_dir_all(root.join("fuzz/corpus/node_file"))?;
-    // `-s none`: no sanitizer, so no nightly-only -Z flags; Rust's own checks (bounds,
-    // overflow with debug assertions) still turn bugs into crashes.
-    let status = std::process::Command::new("cargo")
-        .current_dir(root.join("fuzz"))
-        .args(["fuzz", "run", "-s", "none", "node_file", "corpus/node_file", "../model/presets", "--"])
-        .arg(format!("-max_total_time={}", minutes * 60))
-        .arg("-timeout=10")
-        .status()?;
-    if status.success() {
-        println!("xtask: fuzz: node_file ran {minutes} min without a crash");
-        Ok(exit::PASS)
-    } else {
-        println!("xtask: fuzz: node_file failed ({status}); the input is under fuzz/artifacts/node_file");
-        Ok(exit::FAIL)
+    let mut failed = Vec::new();
+    for (i, (target, seeds)) in FUZZ_TARGETS.iter().enumerate() {
+        println!("xtask: fuzz: target {} of {}: {target}, {minutes} min", i + 1, FUZZ_TARGETS.len());
+        let corpus = format!("corpus/{target}");
+        std::fs::create_dir_all(root.join("fuzz").join(&corpus))?;
+        // `-s none`: no sanitizer, so no nightly-only -Z flags; Rust's own checks (bounds,
+        // overflow with debug assertions) still turn bugs into crashes. `-timeout`: an input
+        // that takes longer is a hang, reported like a crash.
+        let status = std::process::Command::new("cargo")
+            .current_dir(root.join("fuzz"))
+            .args(["fuzz", "run", "-s", "none", target, &corpus])
+            .args(seeds.iter())
+            .arg("--")
+            .arg(format!("-max_total_time={}", minutes * 60))
+            .arg("-timeout=10")
+            .status()?;
+        if status.success() {
+            println!("xtask: fuzz: {target} ran {minutes} min without a crash or hang");
+        } else {
+            println!("xtask: fuzz: {target} failed ({status}); the input is under fuzz/artifacts/{target}");
+            failed.push(*target);
+        }
     }
+    Ok(if failed.is_empty() { exit::PASS } else { exit::FAIL })
 }
 
 fn bench_vfio(rounds: usize) -> Result<i32> {

@@ -141,6 +141,10 @@ fn machine() -> Machine {
     let seen: Shared = Arc::default();
     let mut node = Node::preset("minimal").unwrap().unwrap();
     let nic = node.functions.iter().position(|f| f.name == "nic0").unwrap();
+    // Only the NIC has a device behind it (the preset's GPU is hollow here).
+    for f in &mut node.functions {
+        f.backing = Backing::None;
+    }
     node.functions[nic].backing = Backing::Vfio(HostBdf { domain: 0, bus: 0x3b, device: 0, function: 0 });
     let memfd = memfd(2 << 20);
     let kvm = Arc::new(FakeKvm(seen.clone()));
