@@ -17,6 +17,7 @@
 //! accept one client, serve it until it disconnects, and remove the socket on every way out,
 //! SIGTERM and SIGINT included.
 
+pub mod cli;
 pub mod fault;
 pub mod gpu;
 pub mod nic;
