@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use gdrvm_model::l1::{job_output_prefix, L1Job, L1Jobs, IN_L1_ENV, JOBS_PATH, MARKER};
+use gdrvm_model::l1::{job_output_prefix, L1Job, L1Jobs, IN_L1_ENV, JOBS_PATH, LEFT_BEHIND, MARKER};
 
 /// Exit status of L1 when it could not run its jobs.
 const CANNOT_TEST: u8 = 125;
@@ -145,6 +145,14 @@ fn run_relayed(i: usize, job: &L1Job) -> std::io::Result<Option<i32>> {
             .flatten()
             .collect();
     let result = wait_with_deadline(&mut child, Duration::from_secs(job.timeout_secs));
+    // Whatever the job started must have ended with it (a VMM's device emulators): report
+    // and kill what did not, before waiting for the relays its pipes would hold open.
+    let prefix = job_output_prefix(i);
+    for (pid, comm) in leftovers() {
+        println!("{prefix}{LEFT_BEHIND} pid {pid} ({comm})");
+        // SAFETY: kill touches no memory of ours; `pid` is a process this agent outlives.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
     // The relays end when the job's pipes close; a job stuck past SIGKILL keeps them open,
     // so its relays are left running rather than waited for.
     if matches!(result, Ok(Some(_))) {
@@ -153,6 +161,24 @@ fn run_relayed(i: usize, job: &L1Job) -> std::io::Result<Option<i32>> {
         }
     }
     result
+}
+
+/// User processes other than this agent (L1 runs nothing else between jobs): pid and
+/// command name. Kernel threads (no command line) and zombies are not counted.
+fn leftovers() -> Vec<(i32, String)> {
+    let me = std::process::id();
+    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
+    let mut found: Vec<(i32, String)> = entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| pid != me)
+        .filter(|pid| std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| !c.is_empty()))
+        .filter_map(|pid| {
+            let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
+            Some((i32::try_from(pid).ok()?, comm.trim().to_owned()))
+        })
+        .collect();
+    found.sort();
+    found
 }
 
 fn wait_with_deadline(child: &mut Child, timeout: Duration) -> std::io::Result<Option<i32>> {

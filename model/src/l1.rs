@@ -11,6 +11,9 @@ pub const GDRVM_PATH: &str = "/l1/gdrvm";
 pub const L1_DIR: &str = "/l1";
 /// The device emulators gdrvm starts for emulated endpoints, found next to gdrvm.
 pub const EMULATORS: [&str; 2] = ["gdrvm-gpu-emu", "gdrvm-nic-emu"];
+/// What L1's agent prints in a job's output for each process the job left running after
+/// it ended (a device emulator that outlived its VMM), before killing it.
+pub const LEFT_BEHIND: &str = "gdrvm-l1: left behind by the job:";
 /// Prefix of every marker line.
 pub const MARKER: &str = "@@gdrvm-l1 ";
 /// Set in the environment of L1's jobs: a node with a `[nested]` table names L1's lab

@@ -101,3 +101,18 @@ fn test_a_nic_emulator_that_stops_answering_fails_the_suite_not_the_vmm() {
     let test = "test_a_nic_emulator_that_stops_answering_fails_the_suite_not_the_vmm";
     assert_device_failure_fails_the_suite(guests::NIC_HANGS, test);
 }
+
+#[test]
+fn test_no_guest_leaves_an_emulator_or_any_process_behind() {
+    let test = "test_no_guest_leaves_an_emulator_or_any_process_behind";
+    let results = match gdrvm_e2e::results() {
+        Ok(r) => r,
+        Err(why) => return skip(test, &why),
+    };
+    // L1's agent lists whatever a job left running once it ended (native runs have no
+    // such witness; `cargo xtask soak --kill` checks the host side).
+    for r in &results {
+        let left: Vec<&String> = r.console.iter().filter(|l| l.contains(gdrvm_model::l1::LEFT_BEHIND)).collect();
+        assert!(left.is_empty(), "{}: {left:?}", r.name);
+    }
+}
