@@ -1,8 +1,15 @@
 //! Device wiring: the devices behind the node's PCI functions (from each endpoint's
 //! `backing`), and what their configuration writes mean for the machine. It places BARs
 //! (trapped on the MMIO bus, or device memory in KVM memory slots), moves them when the
-//! guest does, removes them when decode goes off, keeps the DMA space (guest RAM and every
-//! mapped BAR) in step, and connects MSI-X. `machine.rs` only calls it.
+//! guest does, keeps the DMA space (guest RAM and every mapped BAR) in step, and connects
+//! MSI-X. `machine.rs` only calls it.
+//!
+//! A BAR whose decode goes off (or that is being sized) is parked, not removed: it stays
+//! mapped where it was until the guest places it elsewhere, when it moves, or until
+//! another BAR is placed over it, when it is evicted. Linux turns decode off around sizing
+//! every BAR of every function at boot and puts the same address back; removing and
+//! re-adding KVM memory slots each time cost exits and, nested, was seen to stall L1.
+//! Cloud Hypervisor likewise moves BARs only on address writes.
 
 mod bars;
 mod emulator;
@@ -75,6 +82,10 @@ pub enum WiringError {
 /// One BAR as the guest has placed it.
 struct Placed {
     address: u64,
+    /// Bytes it spans.
+    size: u64,
+    /// Decode is off (or the BAR is being sized) but it stays mapped where it was.
+    parked: bool,
     traps: Vec<u64>,
     slots: Vec<(u32, u64)>,
     dma: Vec<u64>,
@@ -300,7 +311,8 @@ impl DeviceWiring {
     /// Places BAR `index` of `w` at `address`.
     fn place(&self, w: &mut Wired, index: u8, address: u64) {
         let Some(bar) = w.bars.iter().find(|b| b.index == index).cloned() else { return };
-        let mut placed = Placed { address, traps: Vec::new(), slots: Vec::new(), dma: Vec::new() };
+        let mut placed =
+            Placed { address, size: bar.size, parked: false, traps: Vec::new(), slots: Vec::new(), dma: Vec::new() };
         let mut holes = match &bar.mapping {
             BarMapping::Mapped { holes, .. } => holes.clone(),
             BarMapping::Trapped => std::iter::once(0..bar.size).collect(),
@@ -347,6 +359,27 @@ impl DeviceWiring {
         }
         tracing::debug!(function = %w.key, bar = index, address = format_args!("{address:#x}"), "BAR placed");
         w.placed.insert(index, placed);
+    }
+
+    /// Removes other functions' parked BARs overlapping `[address, address + size)`, so a
+    /// BAR the guest places there finds the room free. A function another vCPU is
+    /// configuring right now is skipped (its lock is not waited for: functions lock one at
+    /// a time); its parked BAR then makes this placement fail, logged.
+    fn evict_parked(&self, placing: usize, address: u64, size: u64) {
+        let end = address.saturating_add(size);
+        for (&i, other) in self.wired.iter().filter(|(&i, _)| i != placing) {
+            let Ok(mut o) = other.try_lock() else { continue };
+            let evict: Vec<u8> = o
+                .placed
+                .iter()
+                .filter(|(_, p)| p.parked && p.address < end && address < p.address.saturating_add(p.size))
+                .map(|(&index, _)| index)
+                .collect();
+            for index in evict {
+                tracing::debug!(function = i, bar = index, "parked BAR evicted by a placement over it");
+                self.unplace(&mut o, index);
+            }
+        }
     }
 
     /// Removes BAR `index` of `w` from the guest.
@@ -452,11 +485,21 @@ impl ApplyEffects for DeviceWiring {
         let Some(w) = self.wired.get(&function) else { return };
         let mut w = lock(w);
         for change in &effects.bars {
-            if change.from.is_some() {
-                self.unplace(&mut w, change.index);
-            }
-            if let Some(to) = change.to {
-                self.place(&mut w, change.index, to);
+            let Some(to) = change.to else {
+                // Decode off, or the BAR being sized: parked where it is.
+                if let Some(p) = w.placed.get_mut(&change.index) {
+                    p.parked = true;
+                }
+                continue;
+            };
+            match w.placed.get_mut(&change.index) {
+                Some(p) if p.address == to => p.parked = false,
+                _ => {
+                    self.unplace(&mut w, change.index);
+                    let size = w.bars.iter().find(|b| b.index == change.index).map_or(0, |b| b.size);
+                    self.evict_parked(function, to, size);
+                    self.place(&mut w, change.index, to);
+                }
             }
         }
         // One interrupt mode at a time: INTx off before MSI or MSI-X goes on, and on again

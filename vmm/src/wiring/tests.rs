@@ -230,12 +230,24 @@ fn test_firmware_places_the_bar_mapped_with_its_msix_page_trapped() {
 }
 
 #[test]
-fn test_guest_moves_and_removes_the_bar_and_the_slots_follow() {
+fn test_sizing_parks_the_bar_and_a_move_takes_the_slots_along() {
     let m = machine();
     let (old, new) = (m.bar0(), m.bar0() + (64 << 20));
+    let flags = PCI_BASE_ADDRESS_MEM_TYPE_64 | PCI_BASE_ADDRESS_MEM_PREFETCH;
+    let before = m.live_slots();
+    // Linux sizes every BAR with decode off and puts the same address back: no KVM slot
+    // and no trap changes on the way.
     m.config_write(PCI_COMMAND, &0u16.to_le_bytes());
-    assert!(m.live_slots().is_empty(), "decode off removes the slot");
-    assert!(!m.mmio.ranges().iter().any(|&(b, _)| b == old), "and the trap");
+    assert_eq!(m.live_slots(), before, "decode off parks the BAR where it is");
+    m.config_write(PCI_BASE_ADDRESS_0, &u32::MAX.to_le_bytes());
+    m.config_write(PCI_BASE_ADDRESS_0 + 4, &u32::MAX.to_le_bytes());
+    m.config_write(PCI_BASE_ADDRESS_0, &(old as u32 | flags).to_le_bytes());
+    m.config_write(PCI_BASE_ADDRESS_0 + 4, &((old >> 32) as u32).to_le_bytes());
+    m.config_write(PCI_COMMAND, &PCI_COMMAND_MEMORY.to_le_bytes());
+    assert_eq!(m.live_slots(), before, "sized and put back: nothing moved");
+    assert!(m.mmio.ranges().iter().any(|&(b, _)| b == old), "the trap stayed");
+    // A real move: decode off, a new address, decode on.
+    m.config_write(PCI_COMMAND, &0u16.to_le_bytes());
     m.config_write(
         PCI_BASE_ADDRESS_0,
         &(new as u32 | PCI_BASE_ADDRESS_MEM_TYPE_64 | PCI_BASE_ADDRESS_MEM_PREFETCH).to_le_bytes(),
@@ -249,6 +261,7 @@ fn test_guest_moves_and_removes_the_bar_and_the_slots_follow() {
     m.config_write(PCI_COMMAND, &PCI_COMMAND_MEMORY.to_le_bytes());
     let slots: Vec<(u64, u64)> = m.live_slots().into_values().collect();
     assert_eq!(slots, [(new + 0x1000, (2 << 20) - 0x1000)]);
+    assert!(!m.mmio.ranges().iter().any(|&(b, _)| b == old), "the old trap is gone");
     let dma = lock(&m.seen).dma.clone();
     assert!(
         dma.contains(&(false, old + 0x1000, (2 << 20) - 0x1000))
