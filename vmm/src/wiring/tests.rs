@@ -137,15 +137,25 @@ struct Machine {
     wiring: Arc<DeviceWiring>,
 }
 
+/// Preset minimal with a fake NIC behind nic0 (the preset's GPU is hollow here).
 fn machine() -> Machine {
+    machine_on(Node::preset("minimal").unwrap().unwrap(), &["nic0"])
+}
+
+/// `node` with a fake NIC behind each function named in `backed` (the first is the
+/// machine's `nic`) and nothing behind the others.
+fn machine_on(mut node: Node, backed: &[&str]) -> Machine {
     let seen: Shared = Arc::default();
-    let mut node = Node::preset("minimal").unwrap().unwrap();
-    let nic = node.functions.iter().position(|f| f.name == "nic0").unwrap();
-    // Only the NIC has a device behind it (the preset's GPU is hollow here).
-    for f in &mut node.functions {
-        f.backing = Backing::None;
+    let index = |name: &str| node.functions.iter().position(|f| f.name == name).unwrap();
+    let nic = index(backed[0]);
+    let backed: Vec<usize> = backed.iter().map(|n| index(n)).collect();
+    for (i, f) in node.functions.iter_mut().enumerate() {
+        f.backing = if backed.contains(&i) {
+            Backing::Vfio(HostBdf { domain: 0, bus: 0x3b, device: i as u8, function: 0 })
+        } else {
+            Backing::None
+        };
     }
-    node.functions[nic].backing = Backing::Vfio(HostBdf { domain: 0, bus: 0x3b, device: 0, function: 0 });
     let memfd = memfd(2 << 20);
     let kvm = Arc::new(FakeKvm(seen.clone()));
     let mmio = Arc::new(Bus::new("mmio"));
@@ -189,7 +199,11 @@ fn memfd(size: u64) -> Arc<std::fs::File> {
 
 impl Machine {
     fn config_write(&self, reg: usize, data: &[u8]) {
-        let bdf = self.node.functions[self.nic].bdf;
+        self.config_write_to(self.nic, reg, data);
+    }
+
+    fn config_write_to(&self, i: usize, reg: usize, data: &[u8]) {
+        let bdf = self.node.functions[i].bdf;
         self.pci.write(bdf.bus, bdf.device << 3 | bdf.function, reg, data);
     }
 
@@ -269,6 +283,59 @@ fn test_sizing_parks_the_bar_and_a_move_takes_the_slots_along() {
         "{dma:x?}"
     );
     drop(m.wiring);
+}
+
+#[test]
+fn test_a_bar_placed_over_a_parked_one_evicts_it() {
+    let text = r#"
+name = "two-nics"
+[[numa]]
+cpus = 1
+memory = "1G"
+[[host_bridge]]
+name = "pxb0"
+numa = 0
+[[root_port]]
+name = "rp0"
+host_bridge = "pxb0"
+link = "16GT/s x16"
+[[switch]]
+name = "sw0"
+parent = "rp0"
+ports = 2
+link = "16GT/s x16"
+[[endpoint]]
+name = "nic0"
+kind = "nic"
+parent = "sw0"
+vendor = 0x15b3
+device = 0x101e
+link = "16GT/s x16"
+bars = [{ size = "2M", prefetchable = true }]
+[[endpoint]]
+name = "nic1"
+kind = "nic"
+parent = "sw0"
+vendor = 0x15b3
+device = 0x101e
+link = "16GT/s x16"
+bars = [{ size = "2M", prefetchable = true }]
+"#;
+    let m = machine_on(Node::parse("two-nics.toml", text).unwrap(), &["nic0", "nic1"]);
+    let nic1 = m.node.functions.iter().position(|f| f.name == "nic1").unwrap();
+    let theirs = m.node.functions[nic1].bars[0].address;
+    let flags = PCI_BASE_ADDRESS_MEM_TYPE_64 | PCI_BASE_ADDRESS_MEM_PREFETCH;
+    // nic1's decode goes off: parked, still mapped.
+    m.config_write_to(nic1, PCI_COMMAND, &0u16.to_le_bytes());
+    assert!(m.live_slots().values().any(|&(gpa, _)| gpa == theirs + 0x1000));
+    // nic0 moves onto nic1's parked BAR: nic1's goes, nic0's takes its place.
+    m.config_write(PCI_COMMAND, &0u16.to_le_bytes());
+    m.config_write(PCI_BASE_ADDRESS_0, &(theirs as u32 | flags).to_le_bytes());
+    m.config_write(PCI_BASE_ADDRESS_0 + 4, &((theirs >> 32) as u32).to_le_bytes());
+    m.config_write(PCI_COMMAND, &PCI_COMMAND_MEMORY.to_le_bytes());
+    let slots: Vec<(u64, u64)> = m.live_slots().into_values().collect();
+    assert_eq!(slots, [(theirs + 0x1000, (2 << 20) - 0x1000)], "one mapping at that address: nic0's");
+    assert_eq!(m.mmio.ranges().iter().filter(|&&(b, _)| b == theirs).count(), 1, "one trap there");
 }
 
 #[test]
