@@ -18,11 +18,11 @@ pub struct Gpu<'a> {
     pub exp: &'a PciExpectation,
     /// Puts `enable` and Command back.
     pub claim: Claim,
-    /// The aperture as the CPU reaches it.
+    /// The start of the aperture as the CPU reaches it ([`plan::APERTURE_WINDOW`] at most).
     pub aperture: MappedBar,
     /// The aperture's bus address.
     pub iova: u64,
-    /// Its size.
+    /// Bytes of it mapped and used by transfers.
     pub size: u64,
 }
 
@@ -139,10 +139,15 @@ pub fn open_gpu<'a>(ctx: &Context, exp: &'a PciExpectation, probe: u32) -> (Chec
         problems.push(format!("BAR {index} is not prefetchable (sysfs flags {:#x})", res.flags));
     }
     notes.push(format!("aperture at bus address {:#x}", res.start));
-    let aperture = match MappedBar::open(&dir.join(format!("resource{index}"))) {
-        Ok(bar) if bar.len() as u64 == size => bar,
+    // Transfers use the start of the aperture: only that much is mapped.
+    let window = size.min(plan::APERTURE_WINDOW);
+    if window < size {
+        notes.push(format!("mapping the first {} of it", plan::size_name(window)));
+    }
+    let aperture = match MappedBar::open_window(&dir.join(format!("resource{index}")), window as usize) {
+        Ok(bar) if bar.len() as u64 == window => bar,
         Ok(bar) => {
-            problems.push(format!("resource{index} maps {} bytes, the aperture has {size}", bar.len()));
+            problems.push(format!("resource{index} maps {} bytes, not {window}", bar.len()));
             return (check(&name, notes, &problems), None);
         }
         Err(e) => {
@@ -151,7 +156,7 @@ pub fn open_gpu<'a>(ctx: &Context, exp: &'a PciExpectation, probe: u32) -> (Chec
         }
     };
     drop(regs);
-    let gpu = problems.is_empty().then_some(Gpu { exp, claim, aperture, iova: res.start, size });
+    let gpu = problems.is_empty().then_some(Gpu { exp, claim, aperture, iova: res.start, size: window });
     (check(&name, notes, &problems), gpu)
 }
 

@@ -15,6 +15,8 @@ pub const BACKING_GPU: &str = "emulated-gpu";
 pub const BACKING_NIC: &str = "emulated-nic";
 /// Transfer sizes of a NIC's sweep.
 pub const SIZES: [u64; 5] = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20];
+/// The part of a GPU's aperture the suite maps and copies into: the largest transfer.
+pub const APERTURE_WINDOW: u64 = 64 << 20;
 /// The size of each GPU x NIC pair's transfer in the matrix.
 pub const MATRIX_SIZE: u64 = 16 << 20;
 
