@@ -3,12 +3,17 @@
 //! accesses reach the device, or the VMM's MSI-X emulation; a mapped BAR is device memory
 //! given to KVM as memory slots, so the guest reaches it without exits.
 
+use std::collections::BTreeSet;
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use gdrvm_devices::{lock, merge_ranges, BusDevice, PciDevice};
 
+use super::memslots::MemorySlots;
 use super::msix::MsixState;
+
+/// Mapped runs longer than this are given to KVM a chunk at a time ([`LazyRun`]).
+pub const LAZY_ABOVE: u64 = 1 << 30;
 
 /// Host page size for device mappings (x86-64).
 pub const PAGE: u64 = 4096;
@@ -56,6 +61,94 @@ impl BusDevice for BarTrap {
             Some((_, false, _)) => {}
             None => lock(&self.device).bar_write(self.bar, at, data),
         }
+    }
+}
+
+/// A long mapped run of a BAR (a GPU's 128 GiB aperture) given to KVM a chunk at a time,
+/// on the guest's first access to each chunk, which this trap completes through the VMM's
+/// own mapping; later accesses to the chunk reach the memory without an exit. KVM's
+/// per-slot metadata grows with the slot (on Debian's kernels two bytes of write tracking
+/// per 4 KiB page: 64 MiB, zeroed, for a 128 GiB aperture), and guests touch little of an
+/// aperture. The run's DMA mapping is whole from the start: devices reach all of it.
+pub struct LazyRun {
+    /// Guest-physical start of the run.
+    pub gpa: u64,
+    /// Where the VMM has the run mapped.
+    pub host: u64,
+    /// Length of the run.
+    pub len: u64,
+    /// Bytes per KVM slot.
+    pub chunk: u64,
+    /// Where slots come from.
+    pub slots: Arc<MemorySlots>,
+    /// The slots given so far, shared with the placement that removes them.
+    pub given: Arc<Mutex<LazySlots>>,
+}
+
+/// The KVM slots a [`LazyRun`] has added.
+#[derive(Default)]
+pub struct LazySlots {
+    /// Chunk index -> (slot, guest address).
+    pub slots: std::collections::BTreeMap<u64, (u32, u64)>,
+    /// The run was removed from the guest: no more slots.
+    pub closed: bool,
+    /// Chunks that could not be given (logged once each).
+    failed: BTreeSet<u64>,
+}
+
+impl LazyRun {
+    /// The chunk size for a run of `len` bytes: at least [`LAZY_ABOVE`], and at most 32
+    /// chunks, so eight fully touched 128 GiB apertures fit KVM's slots.
+    pub fn chunk_for(len: u64) -> u64 {
+        (len / 32).max(LAZY_ABOVE).next_power_of_two()
+    }
+
+    /// Gives KVM the chunks `offset..offset + len` touches; false when the range is outside
+    /// the run or the run is gone.
+    fn ensure(&self, offset: u64, len: usize) -> bool {
+        let Some(end) = offset.checked_add(len as u64).filter(|&e| e <= self.len && len > 0) else { return false };
+        let mut given = lock(&self.given);
+        if given.closed {
+            return false;
+        }
+        for index in offset / self.chunk..=(end - 1) / self.chunk {
+            if given.slots.contains_key(&index) || given.failed.contains(&index) {
+                continue;
+            }
+            let start = index * self.chunk;
+            let size = self.chunk.min(self.len - start);
+            match self.slots.add(self.gpa + start, self.host + start, size) {
+                Ok(slot) => {
+                    given.slots.insert(index, (slot, self.gpa + start));
+                }
+                Err(e) => {
+                    tracing::warn!("device memory at {:#x}: {e}; accesses there stay trapped", self.gpa + start);
+                    given.failed.insert(index);
+                }
+            }
+        }
+        true
+    }
+}
+
+impl BusDevice for LazyRun {
+    fn read(&mut self, offset: u64, data: &mut [u8]) {
+        if !self.ensure(offset, data.len()) {
+            data.fill(0xff);
+            return;
+        }
+        // SAFETY: `offset..offset + len` lies in the run (checked by `ensure`), which the VMM
+        // keeps mapped while the run is on the bus; device memory is read with a plain copy
+        // into `data`, never through a reference into the mapping.
+        unsafe { std::ptr::copy_nonoverlapping((self.host + offset) as *const u8, data.as_mut_ptr(), data.len()) };
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8]) {
+        if !self.ensure(offset, data.len()) {
+            return;
+        }
+        // SAFETY: as in `read`; the mapping is writable device memory.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), (self.host + offset) as *mut u8, data.len()) };
     }
 }
 

@@ -32,7 +32,7 @@ use gdrvm_model::node::{Backing, Node};
 
 use crate::irq::{GsiRouter, IntxLine, IrqError};
 use crate::pci::{ApplyEffects, Backend, ConfigSpace, PciFunction, PciSegment};
-use bars::{split, BarTrap};
+use bars::{split, BarTrap, LazyRun, LazySlots, LAZY_ABOVE};
 use memslots::{DeviceMemory, MemorySlots};
 use msi::MsiState;
 use msix::MsixState;
@@ -88,6 +88,8 @@ struct Placed {
     parked: bool,
     traps: Vec<u64>,
     slots: Vec<(u32, u64)>,
+    /// Long runs given to KVM a chunk at a time, and the slots they added.
+    lazy: Vec<Arc<Mutex<LazySlots>>>,
     dma: Vec<u64>,
 }
 
@@ -143,7 +145,7 @@ pub struct MachineParts {
 /// The devices behind the node's functions.
 pub struct DeviceWiring {
     parts: MachineParts,
-    slots: MemorySlots,
+    slots: Arc<MemorySlots>,
     dma: Mutex<DmaSpace>,
     wired: BTreeMap<usize, Mutex<Wired>>,
     /// Emulator processes, stopped after the devices they serve are dropped.
@@ -268,7 +270,7 @@ impl DeviceWiring {
             functions.push(function);
             wired.insert(i, Mutex::new(w));
         }
-        let slots = MemorySlots::new(parts.memory.clone(), KVM_SLOTS);
+        let slots = Arc::new(MemorySlots::new(parts.memory.clone(), KVM_SLOTS));
         Ok((Arc::new(DeviceWiring { parts, slots, dma: Mutex::new(dma), wired, _emulators: emulators }), functions))
     }
 
@@ -311,8 +313,15 @@ impl DeviceWiring {
     /// Places BAR `index` of `w` at `address`.
     fn place(&self, w: &mut Wired, index: u8, address: u64) {
         let Some(bar) = w.bars.iter().find(|b| b.index == index).cloned() else { return };
-        let mut placed =
-            Placed { address, size: bar.size, parked: false, traps: Vec::new(), slots: Vec::new(), dma: Vec::new() };
+        let mut placed = Placed {
+            address,
+            size: bar.size,
+            parked: false,
+            traps: Vec::new(),
+            slots: Vec::new(),
+            lazy: Vec::new(),
+            dma: Vec::new(),
+        };
         let mut holes = match &bar.mapping {
             BarMapping::Mapped { holes, .. } => holes.clone(),
             BarMapping::Trapped => std::iter::once(0..bar.size).collect(),
@@ -331,6 +340,35 @@ impl DeviceWiring {
             let gpa = address + run.start;
             let len = run.end - run.start;
             match (trapped, memory) {
+                (false, Some(mem)) if len > LAZY_ABOVE => {
+                    let given = Arc::new(Mutex::new(LazySlots::default()));
+                    let lazy = LazyRun {
+                        gpa,
+                        host: mem.host_addr(run.start),
+                        len,
+                        chunk: LazyRun::chunk_for(len),
+                        slots: self.slots.clone(),
+                        given: given.clone(),
+                    };
+                    match self.parts.mmio.insert(Arc::new(Mutex::new(lazy)), gpa, len) {
+                        Ok(()) => {
+                            placed.traps.push(gpa);
+                            placed.lazy.push(given);
+                        }
+                        Err(e) => tracing::warn!("{}: BAR {index} at {gpa:#x}: {e}", w.key),
+                    }
+                    let region = DmaRegion {
+                        iova: gpa,
+                        size: len,
+                        host_addr: mem.host_addr(run.start),
+                        fd: Some(mem.file_at(run.start)),
+                        owner: Some(w.id),
+                    };
+                    match lock(&self.dma).add_region(region) {
+                        Ok(()) => placed.dma.push(gpa),
+                        Err(e) => tracing::warn!("{}: BAR {index} at {gpa:#x}: DMA space: {e}", w.key),
+                    }
+                }
                 (false, Some(mem)) => match self.slots.add(gpa, mem.host_addr(run.start), len) {
                     Ok(slot) => {
                         placed.slots.push((slot, gpa));
@@ -390,13 +428,19 @@ impl DeviceWiring {
                 tracing::warn!("{}: BAR {index}: DMA space: {e}", w.key);
             }
         }
-        for (slot, gpa) in placed.slots {
-            if let Err(e) = self.slots.remove(slot, gpa) {
+        // The traps go first, so no access adds a slot to a run being removed.
+        for base in &placed.traps {
+            if let Err(e) = self.parts.mmio.remove(*base) {
                 tracing::warn!("{}: BAR {index}: {e}", w.key);
             }
         }
-        for base in placed.traps {
-            if let Err(e) = self.parts.mmio.remove(base) {
+        let lazy = placed.lazy.iter().flat_map(|given| {
+            let mut given = lock(given);
+            given.closed = true;
+            std::mem::take(&mut given.slots).into_values().collect::<Vec<_>>()
+        });
+        for (slot, gpa) in placed.slots.into_iter().chain(lazy.collect::<Vec<_>>()) {
+            if let Err(e) = self.slots.remove(slot, gpa) {
                 tracing::warn!("{}: BAR {index}: {e}", w.key);
             }
         }

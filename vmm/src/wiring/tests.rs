@@ -414,3 +414,32 @@ fn test_intx_is_swizzled_to_its_root_port_and_yields_to_msix() {
     m.config_write(flags, &0u16.to_le_bytes());
     assert_eq!(lock(&m.seen).intx, [true, false, true]);
 }
+
+#[test]
+fn test_a_long_run_is_given_to_kvm_a_touched_chunk_at_a_time() {
+    const MIB: u64 = 1 << 20;
+    let seen: Shared = Arc::default();
+    let slots = Arc::new(MemorySlots::new(Arc::new(FakeKvm(seen.clone())), KVM_SLOTS));
+    let memory = DeviceMemory::map(&memfd(4 * MIB), 0, 4 * MIB).unwrap();
+    let given = Arc::new(Mutex::new(bars::LazySlots::default()));
+    let gpa = 0x20_0000_0000;
+    let mut run = LazyRun { gpa, host: memory.host_addr(0), len: 4 * MIB, chunk: MIB, slots, given: given.clone() };
+    let added = || lock(&seen).slots.iter().map(|r| (r.guest_phys_addr, r.memory_size)).collect::<Vec<_>>();
+    assert!(added().is_empty(), "nothing is given before the guest touches it");
+    // The first access to a chunk gives it to KVM and completes through the VMM's mapping.
+    gdrvm_devices::BusDevice::write(&mut run, MIB + 8, &0x1234_5678u32.to_le_bytes());
+    assert_eq!(added(), [(gpa + MIB, MIB)]);
+    let mut b = [0; 4];
+    gdrvm_devices::BusDevice::read(&mut run, MIB + 8, &mut b);
+    assert_eq!(u32::from_le_bytes(b), 0x1234_5678);
+    assert_eq!(added().len(), 1, "a chunk is given once");
+    // An access across a chunk boundary gives both chunks; one past the run reads all-ones.
+    gdrvm_devices::BusDevice::read(&mut run, 3 * MIB - 2, &mut b);
+    assert_eq!(added(), [(gpa + MIB, MIB), (gpa + 2 * MIB, MIB), (gpa + 3 * MIB, MIB)]);
+    gdrvm_devices::BusDevice::read(&mut run, 4 * MIB - 2, &mut b);
+    assert_eq!(b, [0xff; 4]);
+    // Once the run is removed it gives nothing more.
+    lock(&given).closed = true;
+    gdrvm_devices::BusDevice::read(&mut run, 0, &mut b);
+    assert_eq!((added().len(), b), (3, [0xff; 4]));
+}
