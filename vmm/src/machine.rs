@@ -347,7 +347,9 @@ fn wire_devices(
             file,
         });
     }
-    let (devices, functions) = wiring::DeviceWiring::new(&config.node, parts, &regions, &wiring::open_backing)?;
+    let prestarted = wiring::Prestarted::start(&config.node)?;
+    let open = |node: &gdrvm_model::node::Node, i| wiring::open_backing_prestarted(&prestarted, node, i);
+    let (devices, functions) = wiring::DeviceWiring::new(&config.node, parts, &regions, &open)?;
     let pci = Arc::new(PciSegment::with_functions(&config.node, functions));
     let sink: Arc<dyn crate::pci::ApplyEffects> = devices.clone();
     pci.set_effects(Arc::downgrade(&sink));

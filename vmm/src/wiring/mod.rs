@@ -178,10 +178,30 @@ pub struct Opened {
 /// Opens the device an endpoint's backing names.
 pub type OpenBacking<'a> = dyn Fn(&Node, usize) -> Result<Option<Opened>, String> + 'a;
 
+/// Emulators started before any device is opened, so that their start-up (a process each,
+/// reading the node) overlaps instead of adding up; [`open_backing_prestarted`] takes them.
+pub struct Prestarted(Mutex<BTreeMap<usize, (Emulator, std::os::unix::net::UnixStream)>>);
+
+impl Prestarted {
+    /// Starts the emulator of every function of `node` with an emulated backing.
+    pub fn start(node: &Node) -> Result<Prestarted, WiringError> {
+        let mut started = BTreeMap::new();
+        for (i, f) in node.functions.iter().enumerate() {
+            if emulator::program(&f.backing).is_some() {
+                let emulator = Emulator::start(node, i)
+                    .map_err(|reason| WiringError::Backing { function: f.key.clone(), reason })?;
+                started.insert(i, emulator);
+            }
+        }
+        Ok(Prestarted(Mutex::new(started)))
+    }
+}
+
 /// Opens the backing of function `i` of `node`: for `vfio:<BDF>`, the host device in a
 /// VFIO container of its own (its DMA target); for `vfio-user:<socket>`, the server
-/// listening there; for an emulated backing, the emulator this starts.
-pub fn open_backing(node: &Node, i: usize) -> Result<Option<Opened>, String> {
+/// listening there; for an emulated backing, its emulator from `prestarted` (or started
+/// now).
+pub fn open_backing_prestarted(prestarted: &Prestarted, node: &Node, i: usize) -> Result<Option<Opened>, String> {
     let f = &node.functions[i];
     match &f.backing {
         Backing::None => Ok(None),
@@ -191,7 +211,10 @@ pub fn open_backing(node: &Node, i: usize) -> Result<Option<Opened>, String> {
             open_vfio_user(&f.key, conn, None).map(Some)
         }
         Backing::EmulatedGpu | Backing::EmulatedNic => {
-            let (emulator, stream) = Emulator::start(node, i)?;
+            let (emulator, stream) = match lock(&prestarted.0).remove(&i) {
+                Some(started) => started,
+                None => Emulator::start(node, i)?,
+            };
             let conn = UserConnection::new(&f.key, stream, vfio_user::DEFAULT_TIMEOUT).map_err(|e| e.to_string())?;
             open_vfio_user(&f.key, conn, Some(emulator)).map(Some)
         }
