@@ -31,6 +31,8 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Pause between attempts to connect to a socket that is not there yet.
 const CONNECT_RETRY: Duration = Duration::from_millis(20);
+/// The last region index that is a BAR (`VFIO_PCI_BAR5_REGION_INDEX`).
+const LAST_BAR_REGION: u32 = 5;
 
 /// Errors of a vfio-user client: each names the device and, for a request, the command.
 #[derive(Debug, thiserror::Error)]
@@ -392,14 +394,42 @@ impl UserConnection {
         Ok(())
     }
 
+    /// Writes `data` at `offset` of `region`. Writes to BARs are posted, as memory writes
+    /// are on PCIe: sent without waiting for a reply (a failure in one is not reported; a
+    /// dead server fails the next request), ordered before every later request on the
+    /// socket. Configuration writes wait for their reply.
     fn region_write(&self, region: u32, offset: u64, data: &[u8]) -> Result<(), UserError> {
         let mut at = offset;
         for chunk in data.chunks(self.max_xfer) {
             let access = RegionAccess { offset: at, region, count: chunk.len() as u32 };
-            self.request(Command::RegionWrite, &access.encode(chunk), &[])?;
+            if region <= LAST_BAR_REGION {
+                self.post(Command::RegionWrite, &access.encode(chunk))?;
+            } else {
+                self.request(Command::RegionWrite, &access.encode(chunk), &[])?;
+            }
             at = at.wrapping_add(chunk.len() as u64);
         }
         Ok(())
+    }
+
+    /// Sends `command` with the no-reply flag: done once it is on the socket.
+    fn post(&self, command: Command, payload: &[u8]) -> Result<(), UserError> {
+        if self.is_failed() {
+            return Err(UserError::Failed { name: self.name.clone(), command });
+        }
+        let mut io = lock(&self.io);
+        if self.is_failed() {
+            return Err(UserError::Failed { name: self.name.clone(), command });
+        }
+        let timeout = self.timeout();
+        let id = io.next_id;
+        io.next_id = id.wrapping_add(1);
+        let mut header = Header::command(id, command, payload.len());
+        header.flags |= FLAG_NO_REPLY;
+        match transport::send(&io.stream, &header, payload, &[], Some(Instant::now() + timeout)) {
+            Ok(()) => Ok(()),
+            Err(e) => Err(self.broken(&io, command, e, timeout)),
+        }
     }
 
     fn dma_map(&self, region: &DmaRegion) -> Result<(), UserError> {
@@ -692,6 +722,8 @@ mod tests {
         s.device.bar0.write_all_at(&[0xab], 0x1234).unwrap();
         assert_eq!(read(0x1234), 0xab);
         ops.write(0, 0x10, &[1, 2, 3]).unwrap();
+        // BAR writes are posted: a later request is ordered after them.
+        ops.read(0, 0x10, &mut [0; 3]).unwrap();
         assert_eq!((read(0x10), read(0x11), read(0x12)), (1, 2, 3));
         // SAFETY: the mapping made above, no longer read.
         unsafe { libc::munmap(ptr, len) };
@@ -711,11 +743,12 @@ mod tests {
         // Outside a region: refused here, nothing sent.
         assert_eq!(ops.read(2, 0xfe, &mut b).unwrap_err().kind(), io::ErrorKind::InvalidInput);
         assert_eq!(ops.read(1, 0, &mut b).unwrap_err().kind(), io::ErrorKind::InvalidInput);
-        // The device refuses: an error naming the device and the command, the connection lives.
-        let err = ops.write(2, 0xfc, &[0; 4]).unwrap_err();
-        assert_eq!(err.to_string(), "vfio-user device gpu0 refused REGION_WRITE");
-        assert!(!s.conn.is_failed());
+        // A BAR write is posted: one the device refuses is not reported (as on PCIe), and
+        // the connection lives on.
+        ops.write(2, 0xfc, &[0; 4]).unwrap();
         ops.read(2, 0x20, &mut b).unwrap();
+        assert!(!s.conn.is_failed());
+        assert_eq!(b, [9, 8, 7, 6]);
     }
 
     #[test]
@@ -858,7 +891,8 @@ mod tests {
     #[test]
     fn test_server_hanging_up_fails_the_connection() {
         let (conn, server) = scripted(Version::default(), |_| Act::Close, DEFAULT_TIMEOUT);
-        let err = conn.region_write(0, 0, &[1]).unwrap_err();
+        // A configuration write waits for its reply, which never comes.
+        let err = conn.region_write(VFIO_PCI_CONFIG_REGION_INDEX, 0, &[1]).unwrap_err();
         assert!(matches!(err, UserError::Closed { command: Command::RegionWrite, .. }), "{err}");
         assert!(conn.is_failed());
         assert!(matches!(conn.region_write(0, 0, &[1]), Err(UserError::Failed { .. })));
