@@ -4,12 +4,14 @@
 //! guest does, keeps the DMA space (guest RAM and every mapped BAR) in step, and connects
 //! MSI-X. `machine.rs` only calls it.
 //!
-//! A BAR whose decode goes off (or that is being sized) is parked, not removed: it stays
+//! A BAR of an emulated or vfio-user device whose decode goes off (or that is being sized)
+//! is parked, not removed: it stays
 //! mapped where it was until the guest places it elsewhere, when it moves, or until
 //! another BAR is placed over it, when it is evicted. Linux turns decode off around sizing
 //! every BAR of every function at boot and puts the same address back; removing and
 //! re-adding KVM memory slots each time cost exits and, nested, was seen to stall L1.
-//! Cloud Hypervisor likewise moves BARs only on address writes.
+//! Cloud Hypervisor likewise moves BARs only on address writes. A passed-through device's
+//! BARs are removed instead: vfio-pci revokes their mappings while decode is off.
 
 mod bars;
 mod emulator;
@@ -97,6 +99,8 @@ struct Placed {
 /// file handles before the device (VFIO cannot release a group whose files are open).
 struct Wired {
     key: String,
+    /// Its BARs are parked while decode is off (see the module's doc), rather than removed.
+    parks: bool,
     id: DeviceId,
     placed: BTreeMap<u8, Placed>,
     memory: BTreeMap<u8, DeviceMemory>,
@@ -535,6 +539,9 @@ fn wire_device(
         .map_err(|source| WiringError::Irq { function: f.key.clone(), source })?;
     let w = Wired {
         key: f.key.clone(),
+        // vfio-pci revokes a device's BAR mappings while its decode is off (an access then
+        // faults, and KVM_RUN fails with EFAULT): a passed-through device's BARs must go.
+        parks: !matches!(f.backing, Backing::Vfio(_)),
         id: DeviceId(i as u32),
         placed: BTreeMap::new(),
         memory,
@@ -553,8 +560,10 @@ impl ApplyEffects for DeviceWiring {
         let mut w = lock(w);
         for change in &effects.bars {
             let Some(to) = change.to else {
-                // Decode off, or the BAR being sized: parked where it is.
-                if let Some(p) = w.placed.get_mut(&change.index) {
+                // Decode off, or the BAR being sized: parked where it is, or removed.
+                if !w.parks {
+                    self.unplace(&mut w, change.index);
+                } else if let Some(p) = w.placed.get_mut(&change.index) {
                     p.parked = true;
                 }
                 continue;

@@ -139,22 +139,18 @@ struct Machine {
 
 /// Preset minimal with a fake NIC behind nic0 (the preset's GPU is hollow here).
 fn machine() -> Machine {
-    machine_on(Node::preset("minimal").unwrap().unwrap(), &["nic0"])
+    machine_on(Node::preset("minimal").unwrap().unwrap(), &["nic0"], Backing::VfioUser("/fake.sock".into()))
 }
 
 /// `node` with a fake NIC behind each function named in `backed` (the first is the
-/// machine's `nic`) and nothing behind the others.
-fn machine_on(mut node: Node, backed: &[&str]) -> Machine {
+/// machine's `nic`), as `backing` says (a fake either way), and nothing behind the others.
+fn machine_on(mut node: Node, backed: &[&str], backing: Backing) -> Machine {
     let seen: Shared = Arc::default();
     let index = |name: &str| node.functions.iter().position(|f| f.name == name).unwrap();
     let nic = index(backed[0]);
     let backed: Vec<usize> = backed.iter().map(|n| index(n)).collect();
     for (i, f) in node.functions.iter_mut().enumerate() {
-        f.backing = if backed.contains(&i) {
-            Backing::Vfio(HostBdf { domain: 0, bus: 0x3b, device: i as u8, function: 0 })
-        } else {
-            Backing::None
-        };
+        f.backing = if backed.contains(&i) { backing.clone() } else { Backing::None };
     }
     let memfd = memfd(2 << 20);
     let kvm = Arc::new(FakeKvm(seen.clone()));
@@ -286,6 +282,21 @@ fn test_sizing_parks_the_bar_and_a_move_takes_the_slots_along() {
 }
 
 #[test]
+fn test_a_passed_through_devices_bar_is_removed_while_its_decode_is_off() {
+    let bdf = HostBdf { domain: 0, bus: 0x3b, device: 0, function: 0 };
+    let m = machine_on(Node::preset("minimal").unwrap().unwrap(), &["nic0"], Backing::Vfio(bdf));
+    let bar0 = m.bar0();
+    assert!(!m.live_slots().is_empty());
+    // vfio-pci revokes the mapping while decode is off: the slot must not outlive it.
+    m.config_write(PCI_COMMAND, &0u16.to_le_bytes());
+    assert!(m.live_slots().is_empty(), "decode off removes the slot");
+    assert!(!m.mmio.ranges().iter().any(|&(b, _)| b == bar0), "and the trap");
+    m.config_write(PCI_COMMAND, &PCI_COMMAND_MEMORY.to_le_bytes());
+    let slots: Vec<(u64, u64)> = m.live_slots().into_values().collect();
+    assert_eq!(slots, [(bar0 + 0x1000, (2 << 20) - 0x1000)]);
+}
+
+#[test]
 fn test_a_bar_placed_over_a_parked_one_evicts_it() {
     let text = r#"
 name = "two-nics"
@@ -321,7 +332,7 @@ device = 0x101e
 link = "16GT/s x16"
 bars = [{ size = "2M", prefetchable = true }]
 "#;
-    let m = machine_on(Node::parse("two-nics.toml", text).unwrap(), &["nic0", "nic1"]);
+    let m = machine_on(Node::parse("two-nics.toml", text).unwrap(), &["nic0", "nic1"], Backing::VfioUser("/x".into()));
     let nic1 = m.node.functions.iter().position(|f| f.name == "nic1").unwrap();
     let theirs = m.node.functions[nic1].bars[0].address;
     let flags = PCI_BASE_ADDRESS_MEM_TYPE_64 | PCI_BASE_ADDRESS_MEM_PREFETCH;
