@@ -126,17 +126,29 @@ const NODES: [&str; 2] = ["vela-a100", "minimal"];
 
 /// Runs the topology benchmark and prints its figures.
 pub async fn topology(runner: &Runner, rounds: usize) -> Result<()> {
+    println!("xtask: bench topology: {rounds} rounds of {NODES:?}, alternating, {:?} runner", runner.kind);
+    let nodes = NODES.map(|n| (n, n.to_owned()));
+    match time_to_agent(runner, rounds, &nodes).await?[..] {
+        [Some(v), Some(m)] => println!("xtask: bench: ratio vela-a100 / minimal = {:.3} (target <= 1.10)", v / m),
+        _ => println!("xtask: bench: ratio n/a (a node has fewer than {MIN_SAMPLES} samples)"),
+    }
+    Ok(())
+}
+
+/// Boots the agent with no suite on each of `nodes` (label, preset or file), alternating,
+/// `rounds` times (2 vCPUs, 1 GiB), prints each node's median time to the agent and
+/// returns the medians in the same order.
+async fn time_to_agent(runner: &Runner, rounds: usize, nodes: &[(&str, String)]) -> Result<Vec<Option<f64>>> {
     if rounds < 1 {
         bail!("--rounds must be at least 1");
     }
-    println!("xtask: bench topology: {rounds} rounds of {NODES:?}, alternating, {:?} runner", runner.kind);
     let specs: Vec<VmSpec> = (0..rounds)
         .flat_map(|round| {
-            NODES.iter().map(move |node| VmSpec {
-                name: format!("{node} #{round}"),
+            nodes.iter().map(move |(label, node)| VmSpec {
+                name: format!("{label} #{round}"),
                 vmm: Vmm::Gdrvm,
                 image: runner.artifacts.guest.clone(),
-                node: Some((*node).to_owned()),
+                node: Some(node.clone()),
                 cmdline: "console=ttyS0 quiet panic=-1 gdrvm.suites=".into(),
                 cpus: 2,
                 memory: "1G".into(),
@@ -146,17 +158,13 @@ pub async fn topology(runner: &Runner, rounds: usize) -> Result<()> {
         .collect();
     let results = runner.run(&specs).await?;
     let mut medians = Vec::new();
-    for node in NODES {
-        let mine: Vec<&VmResult> = results.iter().filter(|r| r.name.starts_with(&format!("{node} #"))).collect();
+    for (label, _) in nodes {
+        let mine: Vec<&VmResult> = results.iter().filter(|r| r.name.starts_with(&format!("{label} #"))).collect();
         let times: Vec<f64> = mine.iter().filter_map(|r| r.time_to_ktap.map(|d| d.as_secs_f64())).collect();
-        medians.push(print_median(&format!("{node:<10} time to agent"), &times, mine.len()));
+        medians.push(print_median(&format!("{label:<18} time to agent"), &times, mine.len()));
     }
     print_l1_incidents(&results);
-    match (medians[0], medians[1]) {
-        (Some(v), Some(m)) => println!("xtask: bench: ratio vela-a100 / minimal = {:.3} (target <= 1.10)", v / m),
-        _ => println!("xtask: bench: ratio n/a (a node has fewer than {MIN_SAMPLES} samples)"),
-    }
-    Ok(())
+    Ok(medians)
 }
 
 /// The two ways `bench vfio` reaches ivshmem's BAR, in the order each round runs them.
@@ -253,39 +261,14 @@ pub async fn p2p(runner: &Runner, rounds: usize) -> Result<()> {
     if !status.success() {
         bail!("cargo bench failed: {status}");
     }
-    if rounds < 1 {
-        bail!("--rounds must be at least 1");
-    }
     let hollow = hollow_vela()?;
-    let nodes = [("emulated", "vela-a100".to_owned()), ("hollow", hollow)];
     println!(
         "xtask: bench p2p: {rounds} rounds of vela-a100 emulated and hollow, alternating, {:?} runner",
         runner.kind
     );
-    let specs: Vec<VmSpec> = (0..rounds)
-        .flat_map(|round| {
-            nodes.iter().map(move |(kind, node)| VmSpec {
-                name: format!("{kind} #{round}"),
-                vmm: Vmm::Gdrvm,
-                image: runner.artifacts.guest.clone(),
-                node: Some(node.clone()),
-                cmdline: "console=ttyS0 quiet panic=-1 gdrvm.suites=".into(),
-                cpus: 2,
-                memory: "1G".into(),
-                timeout: Duration::from_secs(180),
-            })
-        })
-        .collect();
-    let results = runner.run(&specs).await?;
-    let mut medians = Vec::new();
-    for (kind, _) in &nodes {
-        let mine: Vec<&VmResult> = results.iter().filter(|r| r.name.starts_with(&format!("{kind} #"))).collect();
-        let times: Vec<f64> = mine.iter().filter_map(|r| r.time_to_ktap.map(|d| d.as_secs_f64())).collect();
-        medians.push(print_median(&format!("vela-a100 {kind:<8} time to agent"), &times, mine.len()));
-    }
-    print_l1_incidents(&results);
-    match (medians[0], medians[1]) {
-        (Some(e), Some(h)) => println!("xtask: bench: ratio emulated / hollow = {:.3} (target <= 1.15)", e / h),
+    let nodes = [("vela-a100 emulated", "vela-a100".to_owned()), ("vela-a100 hollow", hollow)];
+    match time_to_agent(runner, rounds, &nodes).await?[..] {
+        [Some(e), Some(h)] => println!("xtask: bench: ratio emulated / hollow = {:.3} (target <= 1.15)", e / h),
         _ => println!("xtask: bench: ratio n/a (fewer than {MIN_SAMPLES} samples of a kind)"),
     }
     Ok(())

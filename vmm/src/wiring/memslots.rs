@@ -93,10 +93,22 @@ impl DeviceMemory {
         self.addr as u64 + offset
     }
 
-    /// The file behind the byte `offset` bytes into the mapping, and that byte's offset
-    /// in the file.
-    pub fn file_at(&self, offset: u64) -> (std::sync::Arc<std::fs::File>, u64) {
-        (self.file.clone(), self.offset + offset)
+    /// `len` bytes of this memory from `offset` on, as the DMA space holds them: at guest
+    /// address `gpa`, owned by device `owner`, with the file and offset behind them.
+    pub fn dma_region(
+        &self,
+        offset: u64,
+        gpa: u64,
+        len: u64,
+        owner: gdrvm_devices::DeviceId,
+    ) -> gdrvm_devices::DmaRegion {
+        gdrvm_devices::DmaRegion {
+            iova: gpa,
+            size: len,
+            host_addr: self.host_addr(offset),
+            fd: Some((self.file.clone(), self.offset + offset)),
+            owner: Some(owner),
+        }
     }
 }
 

@@ -384,32 +384,12 @@ impl DeviceWiring {
                         }
                         Err(e) => tracing::warn!("{}: BAR {index} at {gpa:#x}: {e}", w.key),
                     }
-                    let region = DmaRegion {
-                        iova: gpa,
-                        size: len,
-                        host_addr: mem.host_addr(run.start),
-                        fd: Some(mem.file_at(run.start)),
-                        owner: Some(w.id),
-                    };
-                    match lock(&self.dma).add_region(region) {
-                        Ok(()) => placed.dma.push(gpa),
-                        Err(e) => tracing::warn!("{}: BAR {index} at {gpa:#x}: DMA space: {e}", w.key),
-                    }
+                    self.add_dma(w, index, mem.dma_region(run.start, gpa, len, w.id), &mut placed);
                 }
                 (false, Some(mem)) => match self.slots.add(gpa, mem.host_addr(run.start), len) {
                     Ok(slot) => {
                         placed.slots.push((slot, gpa));
-                        let region = DmaRegion {
-                            iova: gpa,
-                            size: len,
-                            host_addr: mem.host_addr(run.start),
-                            fd: Some(mem.file_at(run.start)),
-                            owner: Some(w.id),
-                        };
-                        match lock(&self.dma).add_region(region) {
-                            Ok(()) => placed.dma.push(gpa),
-                            Err(e) => tracing::warn!("{}: BAR {index} at {gpa:#x}: DMA space: {e}", w.key),
-                        }
+                        self.add_dma(w, index, mem.dma_region(run.start, gpa, len, w.id), &mut placed);
                     }
                     Err(e) => tracing::warn!("{}: BAR {index}: {e}", w.key),
                 },
@@ -424,6 +404,15 @@ impl DeviceWiring {
         }
         tracing::debug!(function = %w.key, bar = index, address = format_args!("{address:#x}"), "BAR placed");
         w.placed.insert(index, placed);
+    }
+
+    /// Puts `region` of `w`'s BAR `index` into the DMA space: peers reach it by DMA.
+    fn add_dma(&self, w: &Wired, index: u8, region: DmaRegion, placed: &mut Placed) {
+        let gpa = region.iova;
+        match lock(&self.dma).add_region(region) {
+            Ok(()) => placed.dma.push(gpa),
+            Err(e) => tracing::warn!("{}: BAR {index} at {gpa:#x}: DMA space: {e}", w.key),
+        }
     }
 
     /// Removes other functions' parked BARs overlapping `[address, address + size)`, so a
