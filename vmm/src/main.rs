@@ -43,7 +43,7 @@ enum Command {
 enum TopologyCommand {
     /// Print the node's NUMA nodes, host bridges and PCIe tree. Exits 2 for a bad node file.
     Show {
-        /// A preset (minimal, flat, vela-a100) or a node file.
+        /// A preset (minimal, flat, vela-a100, vfio-lab, dgx-h100) or a node file.
         node: String,
     },
     /// Print an NCCL_TOPO_FILE (NCCL topology XML, version 1) whose bus IDs match the guest's.
