@@ -148,6 +148,36 @@ fn run_batch() -> Result<Vec<VmResult>, String> {
     })
 }
 
+/// What a guest's result looks like in an assertion message: outcome, problem, last lines.
+pub fn dump(r: &VmResult) -> String {
+    format!("{:?} {:?}\n{}", r.outcome, r.problem(), r.tail().join("\n"))
+}
+
+/// Guest `name`'s result and its [`dump`], or None after test `test` printed a SKIP.
+pub fn guest(name: &str, test: &str) -> Option<(VmResult, String)> {
+    match result(name) {
+        Ok(r) => {
+            let dump = dump(&r);
+            Some((r, dump))
+        }
+        Err(why) => {
+            skip(test, &why);
+            None
+        }
+    }
+}
+
+/// Suite `name` of a guest's KTAP; panics with the guest's [`dump`] when it is missing.
+pub fn suite(r: &VmResult, name: &str) -> gdrvm_harness::ktap::SuiteResult {
+    r.ktap.suites.iter().find(|s| s.name == name).cloned().unwrap_or_else(|| panic!("no suite {name}: {}", dump(r)))
+}
+
+/// Check `name` of suite `s`: its outcome and its diagnostics, one per line.
+pub fn check(s: &gdrvm_harness::ktap::SuiteResult, name: &str) -> (gdrvm_harness::ktap::CaseOutcome, String) {
+    let c = s.cases.iter().find(|c| c.name == name).unwrap_or_else(|| panic!("no check {name} in {}", s.name));
+    (c.outcome.clone(), c.diagnostics.join("\n"))
+}
+
 /// Every guest's result, or the reason the batch could not run (the caller SKIPs).
 pub fn results() -> Result<Vec<VmResult>, String> {
     RESULTS.get_or_init(run_batch).clone()

@@ -4,32 +4,9 @@
 //! bandwidth reported. With peer-to-peer off the same transfers are refused; a NIC
 //! emulator that dies, errs or hangs mid-suite fails the suite, never the VMM.
 
-use gdrvm_e2e::{guests, result, skip};
-use gdrvm_harness::ktap::{CaseOutcome, SuiteResult};
-use gdrvm_harness::{VmOutcome, VmResult};
-
-/// Guest `name`'s result and a dump of it for assertion messages, or None after a SKIP.
-fn guest(name: &str, test: &str) -> Option<(VmResult, String)> {
-    match result(name) {
-        Ok(r) => {
-            let dump = format!("{:?} {:?}\n{}", r.outcome, r.problem(), r.tail().join("\n"));
-            Some((r, dump))
-        }
-        Err(why) => {
-            skip(test, &why);
-            None
-        }
-    }
-}
-
-fn suite(r: &VmResult, name: &str, dump: &str) -> SuiteResult {
-    r.ktap.suites.iter().find(|s| s.name == name).cloned().unwrap_or_else(|| panic!("no suite {name}: {dump}"))
-}
-
-fn check(s: &SuiteResult, name: &str) -> (CaseOutcome, String) {
-    let c = s.cases.iter().find(|c| c.name == name).unwrap_or_else(|| panic!("no check {name} in {}", s.name));
-    (c.outcome.clone(), c.diagnostics.join("\n"))
-}
+use gdrvm_e2e::{check, guest, guests, skip, suite};
+use gdrvm_harness::ktap::CaseOutcome;
+use gdrvm_harness::VmOutcome;
 
 #[test]
 fn test_emulated_gpu_and_nic_carry_gpudirect_dma_on_minimal() {
@@ -37,7 +14,7 @@ fn test_emulated_gpu_and_nic_carry_gpudirect_dma_on_minimal() {
     let Some((r, dump)) = guest(guests::MINIMAL, test) else { return };
     assert_eq!(r.outcome, VmOutcome::Exited(0), "{dump}");
     assert!(r.ktap.all_ok(), "{dump}");
-    let gdr = suite(&r, "gdr", &dump);
+    let gdr = suite(&r, "gdr");
     for name in ["gpu0_registers", "nic0_registers", "nic0_ring", "nic0_host_to_gpu0", "nic0_gpu0_to_host"] {
         let (outcome, text) = check(&gdr, name);
         assert_eq!(outcome, CaseOutcome::Pass, "{name}: {text}\n{dump}");
@@ -50,7 +27,7 @@ fn test_emulated_gpu_and_nic_carry_gpudirect_dma_on_minimal() {
     assert_eq!(outcome, CaseOutcome::Pass, "{text}");
     assert!(text.contains("gpu0 nic0 path PIX gdr yes"), "{text}");
     // The topology suite passes unchanged with devices behind the functions.
-    assert!(suite(&r, "topology", &dump).cases.iter().all(|c| c.outcome != CaseOutcome::Fail), "{dump}");
+    assert!(suite(&r, "topology").cases.iter().all(|c| c.outcome != CaseOutcome::Fail), "{dump}");
 }
 
 #[test]
@@ -58,7 +35,7 @@ fn test_without_p2p_the_nic_cannot_reach_the_gpu_bar() {
     let test = "test_without_p2p_the_nic_cannot_reach_the_gpu_bar";
     let Some((r, dump)) = guest(guests::MINIMAL_NO_P2P, test) else { return };
     assert_eq!(r.outcome, VmOutcome::Exited(0), "{dump}");
-    let gdr = suite(&r, "gdr", &dump);
+    let gdr = suite(&r, "gdr");
     // Host memory to host memory still copies...
     assert_eq!(check(&gdr, "nic0_host_to_host").0, CaseOutcome::Pass, "{dump}");
     // ...but every transfer into the BAR completes with the unmapped status.
@@ -72,7 +49,7 @@ fn test_without_p2p_the_nic_cannot_reach_the_gpu_bar() {
 fn assert_device_failure_fails_the_suite(name: &str, test: &str) {
     let Some((r, dump)) = guest(name, test) else { return };
     assert_eq!(r.outcome, VmOutcome::Exited(1), "the guest reports the failure and exits: {dump}");
-    let gdr = suite(&r, "gdr", &dump);
+    let gdr = suite(&r, "gdr");
     let failed: Vec<String> = gdr
         .cases
         .iter()

@@ -4,20 +4,13 @@
 
 use std::collections::BTreeMap;
 
-use gdrvm_e2e::{guests, result, skip};
+use gdrvm_e2e::{guest, guests};
 use gdrvm_harness::ktap::{CaseOutcome, SuiteResult};
 use gdrvm_harness::{VmOutcome, VmResult};
 
 /// The guest's topology suite, after requiring that the guest passed everything.
 fn topology(name: &str, test: &str) -> Option<(VmResult, SuiteResult)> {
-    let r = match result(name) {
-        Ok(r) => r,
-        Err(why) => {
-            skip(test, &why);
-            return None;
-        }
-    };
-    let dump = format!("{:?} {:?}\n{}", r.outcome, r.problem(), r.tail().join("\n"));
+    let (r, dump) = guest(name, test)?;
     assert_eq!(r.outcome, VmOutcome::Exited(0), "{dump}");
     assert!(r.ktap.all_ok(), "{dump}");
     let topo = r.ktap.suites.iter().find(|s| s.name == "topology").expect("topology suite ran").clone();

@@ -3,33 +3,9 @@
 //! The guest drives them with their real drivers or from userspace and reports what
 //! happened; the expectations here are written by hand from what QEMU's devices are.
 
-use gdrvm_e2e::{guests, result, skip};
-use gdrvm_harness::ktap::{CaseOutcome, SuiteResult};
-use gdrvm_harness::{VmOutcome, VmResult};
-
-fn suite(r: &VmResult, name: &str) -> SuiteResult {
-    let dump = format!("{:?} {:?}\n{}", r.outcome, r.problem(), r.tail().join("\n"));
-    r.ktap.suites.iter().find(|s| s.name == name).cloned().unwrap_or_else(|| panic!("no suite {name}: {dump}"))
-}
-
-/// Guest `name`'s result and a dump of it for assertion messages, or None after a SKIP.
-fn guest(name: &str, test: &str) -> Option<(VmResult, String)> {
-    match result(name) {
-        Ok(r) => {
-            let dump = format!("{:?} {:?}\n{}", r.outcome, r.problem(), r.tail().join("\n"));
-            Some((r, dump))
-        }
-        Err(why) => {
-            skip(test, &why);
-            None
-        }
-    }
-}
-
-fn diagnostics(s: &SuiteResult, check: &str) -> (CaseOutcome, String) {
-    let c = s.cases.iter().find(|c| c.name == check).unwrap_or_else(|| panic!("no check {check} in {}", s.name));
-    (c.outcome.clone(), c.diagnostics.join("\n"))
-}
+use gdrvm_e2e::{check as diagnostics, guest, guests, suite};
+use gdrvm_harness::ktap::CaseOutcome;
+use gdrvm_harness::VmOutcome;
 
 #[test]
 fn test_passed_through_nics_dma_engine_and_peer_to_peer_work_in_the_guest() {
