@@ -417,25 +417,7 @@ mod tests {
     use crate::pcidev;
 
     fn function(name: &str, kind: &str, bdf: &str, backing: &str) -> PciExpectation {
-        PciExpectation {
-            name: name.into(),
-            kind: kind.into(),
-            bdf: bdf.into(),
-            parents: vec![],
-            vendor: 0x10de,
-            device: 0x2330,
-            class: 0x030200,
-            subsystem: None,
-            numa_node: 0,
-            link: None,
-            acs: false,
-            acs_control: 0,
-            ats: false,
-            msix: true,
-            bars: vec![BarExpectation { index: 1, size: 64 << 20, address: 0 }],
-            backing: backing.into(),
-            p2p: true,
-        }
+        PciExpectation { bdf: bdf.into(), ..plan::tests::function(name, kind, backing, &[(1, 64 << 20)]) }
     }
 
     fn ctx(root: &Path, pci: Vec<PciExpectation>) -> Context {

@@ -174,7 +174,7 @@ pub fn rate(len: u64, elapsed: Duration) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     #[test]
     fn test_paths_by_name() {
         use gdrvm_model::node::Node;
@@ -191,7 +191,14 @@ mod tests {
 
     use super::*;
 
-    fn function(name: &str, kind: &str, backing: &str, bars: &[(u8, u64)]) -> PciExpectation {
+    /// An expected function named `name` of `kind` behind `backing`, with memory BARs
+    /// `bars` (index, size); the rest an A100's.
+    pub(in crate::suites::gdr) fn function(
+        name: &str,
+        kind: &str,
+        backing: &str,
+        bars: &[(u8, u64)],
+    ) -> PciExpectation {
         PciExpectation {
             name: name.into(),
             kind: kind.into(),
