@@ -6,7 +6,7 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::ptr::NonNull;
 
-use crate::pcidev::Mmio;
+use crate::mapping::{Mapped, Mapping};
 
 /// The page size (x86-64).
 pub const PAGE_SIZE: usize = 4096;
@@ -198,99 +198,51 @@ pub fn runs(pages: &[u64], offset: u64, len: u64) -> Option<Vec<Run>> {
 /// so that one routine fills or checks either.
 #[derive(Debug)]
 pub struct PinnedBuffer {
-    ptr: NonNull<u8>,
-    len: usize,
+    map: Mapping,
 }
 
 impl PinnedBuffer {
     /// Maps, locks and touches `len` bytes (rounded up to whole pages, at least one).
     pub fn new(len: usize) -> Result<PinnedBuffer, String> {
         let len = len.max(1).div_ceil(PAGE_SIZE) * PAGE_SIZE;
-        // SAFETY: a fresh private anonymous mapping at an address the kernel picks; nothing
-        // existing is replaced. The result is checked before use.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(format!("mmap of {} KiB: {}", len >> 10, std::io::Error::last_os_error()));
-        }
-        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or("mmap of anonymous memory returned null")?;
+        let what = format!("{} KiB of anonymous memory", len >> 10);
         // From here on, dropping the buffer unmaps it.
-        let buf = PinnedBuffer { ptr, len };
-        // SAFETY: locks exactly the range mapped above.
-        if unsafe { libc::mlock(buf.ptr.as_ptr().cast(), len) } != 0 {
+        let map = Mapping::new(len, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, &what)?;
+        // SAFETY: locks exactly the range just mapped.
+        if unsafe { libc::mlock(map.addr() as *const libc::c_void, len) } != 0 {
             return Err(format!("mlock of {} KiB: {}", len >> 10, std::io::Error::last_os_error()));
         }
         for page in (0..len).step_by(PAGE_SIZE) {
-            // SAFETY: `page < len`, inside the mapped, writable range; a write gives the page its
-            // own frame (a read would map the shared zero page).
-            unsafe { std::ptr::write_volatile(buf.ptr.as_ptr().add(page), 0) };
+            if let Some(p) = map.at(page, 1) {
+                // SAFETY: `at` checked the byte is inside the mapped, writable range; a write
+                // gives the page its own frame (a read would map the shared zero page).
+                unsafe { std::ptr::write_volatile(p, 0) };
+            }
         }
-        Ok(buf)
+        Ok(PinnedBuffer { map })
     }
 
     /// Bytes mapped.
     pub fn len(&self) -> usize {
-        self.len
+        self.map.len()
     }
 
     /// The physical address of each page, in order.
     pub fn physical_pages(&self) -> Result<Vec<u64>, String> {
-        physical_pages(self.ptr.as_ptr() as usize, self.len / PAGE_SIZE)
-    }
-
-    /// A pointer to `size` bytes at `offset` when they lie in the buffer, naturally aligned.
-    fn at(&self, offset: usize, size: usize) -> Option<*mut u8> {
-        let fits = offset.checked_add(size).is_some_and(|end| end <= self.len);
-        // SAFETY: `offset + size <= len`, so the pointer stays inside the mapping.
-        (fits && offset % size == 0).then(|| unsafe { self.ptr.as_ptr().add(offset) })
+        physical_pages(self.map.addr(), self.map.len() / PAGE_SIZE)
     }
 }
 
-impl Mmio for PinnedBuffer {
-    fn read32(&mut self, offset: usize) -> u32 {
-        // SAFETY: `at` checked bounds and alignment inside the live mapping.
-        self.at(offset, 4).map_or(u32::MAX, |p| unsafe { std::ptr::read_volatile(p.cast::<u32>()) })
-    }
-
-    fn write32(&mut self, offset: usize, value: u32) {
-        if let Some(p) = self.at(offset, 4) {
-            // SAFETY: `at` checked bounds and alignment inside the live mapping.
-            unsafe { std::ptr::write_volatile(p.cast::<u32>(), value) };
-        }
-    }
-
-    fn read64(&mut self, offset: usize) -> u64 {
-        // SAFETY: `at` checked bounds and alignment inside the live mapping.
-        self.at(offset, 8).map_or(u64::MAX, |p| unsafe { std::ptr::read_volatile(p.cast::<u64>()) })
-    }
-
-    fn write64(&mut self, offset: usize, value: u64) {
-        if let Some(p) = self.at(offset, 8) {
-            // SAFETY: `at` checked bounds and alignment inside the live mapping.
-            unsafe { std::ptr::write_volatile(p.cast::<u64>(), value) };
-        }
-    }
-}
-
-impl Drop for PinnedBuffer {
-    fn drop(&mut self) {
-        // SAFETY: unmaps (and so unlocks) exactly the range mapped in `new`; no pointer into it
-        // outlives self.
-        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+impl Mapped for PinnedBuffer {
+    fn mapping(&self) -> &Mapping {
+        &self.map
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pcidev::Mmio;
 
     #[test]
     fn test_runs_merge_contiguous_pages() {

@@ -8,6 +8,7 @@ mod dma;
 mod init;
 mod ktap;
 mod l1;
+mod mapping;
 mod packet;
 mod pcidev;
 mod suites;

@@ -7,7 +7,8 @@ use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::ptr::NonNull;
+
+use crate::mapping::{Mapped, Mapping};
 
 /// Where sysfs lists PCI functions.
 pub const SYSFS_PCI: &str = "/sys/bus/pci/devices";
@@ -270,8 +271,7 @@ pub trait Mmio {
 /// unclaimed PCI access would, rather than fault.
 #[derive(Debug)]
 pub struct MappedBar {
-    ptr: NonNull<u8>,
-    len: usize,
+    map: Mapping,
     _file: File,
 }
 
@@ -293,35 +293,13 @@ impl MappedBar {
         if len == 0 {
             return Err(format!("{}: empty resource", path.display()));
         }
-        // SAFETY: a fresh shared mapping of an open file; the kernel picks the address, so
-        // nothing existing is replaced. The result is checked before use.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(format!("mmap of {}: {}", path.display(), std::io::Error::last_os_error()));
-        }
-        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| format!("mmap of {} returned null", path.display()))?;
-        Ok(MappedBar { ptr, len, _file: file })
+        let map = Mapping::new(len, libc::MAP_SHARED, file.as_raw_fd(), &path.display().to_string())?;
+        Ok(MappedBar { map, _file: file })
     }
 
     /// Mapped length in bytes.
     pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// A pointer to `size` bytes at `offset` when they lie in the mapping, naturally aligned.
-    fn at(&self, offset: usize, size: usize) -> Option<*mut u8> {
-        let fits = offset.checked_add(size).is_some_and(|end| end <= self.len);
-        // SAFETY: `offset + size <= len`, so the pointer stays inside the mapping.
-        (fits && offset % size == 0).then(|| unsafe { self.ptr.as_ptr().add(offset) })
+        self.map.len()
     }
 
     /// Writes `data` at `offset`: aligned 32-bit accesses, single bytes at unaligned edges.
@@ -333,7 +311,7 @@ impl MappedBar {
                 self.write32(at, u32::from_le_bytes([data[i], data[i + 1], data[i + 2], data[i + 3]]));
                 i += 4;
             } else {
-                if let Some(p) = self.at(at, 1) {
+                if let Some(p) = self.map.at(at, 1) {
                     // SAFETY: `at` checked that the byte is inside the live mapping.
                     unsafe { std::ptr::write_volatile(p, data[i]) };
                 }
@@ -351,43 +329,16 @@ impl MappedBar {
                 out.extend_from_slice(&self.read32(at).to_le_bytes());
             } else {
                 // SAFETY: `at` checked that the byte is inside the live mapping.
-                out.push(self.at(at, 1).map_or(0xff, |p| unsafe { std::ptr::read_volatile(p) }));
+                out.push(self.map.at(at, 1).map_or(0xff, |p| unsafe { std::ptr::read_volatile(p) }));
             }
         }
         out
     }
 }
 
-impl Mmio for MappedBar {
-    fn read32(&mut self, offset: usize) -> u32 {
-        // SAFETY: `at` checked bounds and alignment inside the live mapping.
-        self.at(offset, 4).map_or(u32::MAX, |p| unsafe { std::ptr::read_volatile(p.cast::<u32>()) })
-    }
-
-    fn write32(&mut self, offset: usize, value: u32) {
-        if let Some(p) = self.at(offset, 4) {
-            // SAFETY: `at` checked bounds and alignment inside the live mapping.
-            unsafe { std::ptr::write_volatile(p.cast::<u32>(), value) };
-        }
-    }
-
-    fn read64(&mut self, offset: usize) -> u64 {
-        // SAFETY: `at` checked bounds and alignment inside the live mapping.
-        self.at(offset, 8).map_or(u64::MAX, |p| unsafe { std::ptr::read_volatile(p.cast::<u64>()) })
-    }
-
-    fn write64(&mut self, offset: usize, value: u64) {
-        if let Some(p) = self.at(offset, 8) {
-            // SAFETY: `at` checked bounds and alignment inside the live mapping.
-            unsafe { std::ptr::write_volatile(p.cast::<u64>(), value) };
-        }
-    }
-}
-
-impl Drop for MappedBar {
-    fn drop(&mut self) {
-        // SAFETY: unmaps exactly the mapping made in `open`; no reference into it outlives self.
-        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+impl Mapped for MappedBar {
+    fn mapping(&self) -> &Mapping {
+        &self.map
     }
 }
 
