@@ -4,8 +4,16 @@
 //! [`ImageManifest`]. The agent reads both and compares them with what Linux reports, so
 //! the agent never links the VMM (dependency arrows: agent ← model → vmm). The guest
 //! memory map ([`layout`]) lives here too, so that the node's PCI windows and the VMM's RAM
-//! and firmware are placed by one definition.
+//! and firmware are placed by one definition. A [`cluster`] joins nodes' NICs by wires and
+//! gives each guest its addresses.
 
+pub mod capture;
+pub mod cluster;
+
+/// What `gdrvm run` prints on stderr when its guest reset without reporting a status (a
+/// triple fault, or the guest's own reboot): the harness reads it to tell a guest that
+/// vanished in early boot.
+pub const GUEST_RESET_LINE: &str = "gdrvm: the guest reset without reporting a status";
 pub mod emulated;
 pub mod host_pci;
 pub mod l1;
@@ -39,6 +47,12 @@ pub struct Expectations {
     /// NCCL's path type for every GPU-NIC and GPU-GPU pair.
     #[serde(default)]
     pub paths: Vec<PathExpectation>,
+    /// A host checked against a node file (`gdrvm-agent run --node`, on bare metal), not a
+    /// guest gdrvm booted: what a node file cannot say about a host (functions it leaves
+    /// out, the host bridge function's IDs, no NUMA affinity on a one-node host, the link it
+    /// writes for a device that reports none) is noted, not failed.
+    #[serde(default)]
+    pub host: bool,
 }
 
 /// One PCI function as the guest must see it in sysfs.
@@ -150,6 +164,14 @@ pub struct ImageManifest {
     /// on an AMD host). Same order rule.
     #[serde(default)]
     pub optional_modules: Vec<String>,
+    /// Modules in the image that suites load when they need them (soft-RoCE), dependencies
+    /// first; none is loaded at boot.
+    #[serde(default)]
+    pub on_demand_modules: Vec<String>,
+    /// Out-of-tree modules the user built (`--module-src`), loaded after `modules`; the
+    /// guest cannot test what they drive if one fails to load.
+    #[serde(default)]
+    pub user_modules: Vec<String>,
 }
 
 impl Expectations {
@@ -170,7 +192,7 @@ impl Expectations {
             Vec::new()
         };
         let (pci, paths) = node.pci_expectations();
-        Expectations { cpus, memory_bytes: memory, numa, pci, paths }
+        Expectations { cpus, memory_bytes: memory, numa, pci, paths, host: false }
     }
 
     /// Serializes to the JSON stored at [`EXPECT_PATH`].

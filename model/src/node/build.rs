@@ -5,7 +5,10 @@ use std::collections::HashMap;
 
 use super::error::{KeyError, NodeError};
 use super::schema::{BarEntry, EndpointEntry, NodeFile};
-use super::{identity, Backing, Bar, Bdf, EndpointKind, Function, FunctionKind, HostBridge, Link, Node, NumaNode};
+use super::{
+    identity, parse_mac, Backing, Bar, Bdf, EndpointKind, Function, FunctionKind, HostBridge, Link, NetAttach,
+    NetParams, Node, NumaNode, NET_MTU_RANGE,
+};
 use crate::host_pci::HostPci;
 
 /// PCI class of a PCI-to-PCI bridge (root and switch ports).
@@ -25,6 +28,56 @@ struct At {
     bdf: Bdf,
     host_bridge: usize,
     parent: Option<usize>,
+}
+
+/// The MAC and MTU of endpoint `ep` (entry `k` of node `node`) when it is virtio-net
+/// (`is_net`); refused on any other backing. A MAC not given is derived from the node's and
+/// endpoint's names: locally administered (52:54:00, QEMU's prefix), stable across runs.
+fn net_params(
+    ep: &EndpointEntry,
+    k: &str,
+    node: &str,
+    is_net: bool,
+    kind: EndpointKind,
+) -> Result<Option<NetParams>, KeyError> {
+    if !is_net {
+        for (set, f) in [(ep.mac.is_some(), "mac"), (ep.mtu.is_some(), "mtu")] {
+            if set {
+                return Err(KeyError::new(format!("{k}.{f}"), "only a virtio-net endpoint takes it"));
+            }
+        }
+        return Ok(None);
+    }
+    if kind != EndpointKind::Nic {
+        return Err(KeyError::new(
+            format!("{k}.backing"),
+            "virtio-net stands behind NIC endpoints only (kind = \"nic\")",
+        ));
+    }
+    let mac = match &ep.mac {
+        Some(text) => {
+            let mac = parse_mac(text).ok_or_else(|| {
+                KeyError::new(format!("{k}.mac"), format!("'{text}' is not a MAC address like 52:54:00:12:34:56"))
+            })?;
+            if mac[0] & 1 != 0 {
+                return Err(KeyError::new(format!("{k}.mac"), format!("'{text}' is a multicast address")));
+            }
+            mac
+        }
+        None => {
+            // FNV-1a over the names: stable, and different for each endpoint of a node.
+            let hash = format!("{node}/{}", ep.name)
+                .bytes()
+                .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3));
+            let b = hash.to_le_bytes();
+            [0x52, 0x54, 0x00, b[0], b[1], b[2]]
+        }
+    };
+    let mtu = ep.mtu.unwrap_or(1500);
+    if !NET_MTU_RANGE.contains(&mtu) {
+        return Err(KeyError::new(format!("{k}.mtu"), format!("{mtu} is out of range: 68 to 9000")));
+    }
+    Ok(Some(NetParams { mac, mtu }))
 }
 
 /// Red Hat's ID for a virtual PCIe host bridge function (QEMU's gpex/pxb).
@@ -57,6 +110,7 @@ fn bridge(name: String, key: String, kind: FunctionKind, at: At, ids: (u16, u16)
         device_caps: None,
         trap_bars: false,
         emulator_args: Vec::new(),
+        net: None,
     }
 }
 
@@ -106,9 +160,37 @@ fn key(section: &str, i: usize, name: &str, field: &str) -> String {
 /// Checks `text` (from `origin`) and builds the node; passed-through devices are looked
 /// up in `host`.
 pub fn build(origin: &str, text: &str, host: &HostPci) -> Result<Node, NodeError> {
-    let file = parse_toml(origin, text)?;
+    build_with(origin, text, host, &[])
+}
+
+/// [`build`], with the endpoints `nets` names turned into virtio-net first.
+pub fn build_with(origin: &str, text: &str, host: &HostPci, nets: &[NetAttach]) -> Result<Node, NodeError> {
+    let mut file = parse_toml(origin, text)?;
+    attach_nets(&mut file, nets).map_err(|e| e.in_file(origin))?;
     let node = build_file(&file, host).map_err(|e| e.in_file(origin))?;
     Ok(Node { source: origin.to_owned(), ..node })
+}
+
+/// Sets `backing = "virtio-net"` (and the MAC and MTU given) on each endpoint `nets` names.
+fn attach_nets(file: &mut NodeFile, nets: &[NetAttach]) -> Result<(), KeyError> {
+    for net in nets {
+        let Some(ep) = file.endpoint.iter_mut().find(|e| e.name == net.endpoint) else {
+            let names: Vec<&str> = file.endpoint.iter().map(|e| e.name.as_str()).collect();
+            return Err(KeyError::new(
+                format!("--net {}", net.endpoint),
+                format!("the node has no endpoint of that name (endpoints: {})", names.join(", ")),
+            ));
+        };
+        ep.backing = "virtio-net".into();
+        ep.emulator_args.clear();
+        if net.mac.is_some() {
+            ep.mac = net.mac.clone();
+        }
+        if net.mtu.is_some() {
+            ep.mtu = net.mtu;
+        }
+    }
+    Ok(())
 }
 
 fn parse_toml(origin: &str, text: &str) -> Result<NodeFile, NodeError> {
@@ -525,6 +607,7 @@ impl<'a> Builder<'a> {
         let backing: Backing =
             ep.backing.parse().map_err(|reason: String| KeyError::new(format!("{k}.backing"), reason))?;
         let id = identity::resolve(ep, &k, backing.clone(), default_class, self.host)?;
+        let net = net_params(ep, &k, &self.file.name, backing == Backing::VirtioNet, kind)?;
         if !ep.emulator_args.is_empty() && !matches!(backing, Backing::EmulatedGpu | Backing::EmulatedNic) {
             return Err(KeyError::new(
                 format!("{k}.emulator_args"),
@@ -556,6 +639,7 @@ impl<'a> Builder<'a> {
             device_caps: id.caps,
             trap_bars: ep.trap_bars,
             emulator_args: ep.emulator_args.clone(),
+            net,
         };
         self.push(f);
         Ok(())

@@ -1,5 +1,5 @@
-//! The node in other tools' terms: an `NCCL_TOPO_FILE` (NCCL's topology XML, version 1) and
-//! the closest QEMU command line.
+//! The node in other tools' terms: an `NCCL_TOPO_FILE` (NCCL's topology XML, version 1),
+//! the closest QEMU command line, and a Graphviz graph.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
@@ -194,6 +194,110 @@ impl Node {
         out.push('\n');
         out
     }
+}
+
+impl Node {
+    /// The tree as a Graphviz `digraph` (`gdrvm topology show --format dot`): one cluster per
+    /// NUMA node holding its host bridges and everything below them, functions colored by
+    /// kind (ports and switches blue, GPUs green, NICs orange, NVSwitches purple), edges
+    /// labelled with the link of the function below.
+    pub fn dot(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(out, "digraph {} {{", dot_id(&self.name));
+        out.push_str(
+            "  graph [rankdir=TB, fontname=\"Helvetica\", nodesep=0.25, ranksep=0.4];\n  \
+             node [shape=box, style=\"rounded,filled\", fontname=\"Helvetica\", fontsize=10, fillcolor=\"#ffffff\"];\n  \
+             edge [fontname=\"Helvetica\", fontsize=8, color=\"#555555\"];\n",
+        );
+        let _ = writeln!(
+            out,
+            "  label={}; labelloc=t;",
+            dot_id(&format!("{}: {} vCPUs, {} RAM", self.name, self.cpus(), super::tree::size(self.memory())))
+        );
+        for numa in &self.numa {
+            let _ = writeln!(out, "  subgraph cluster_numa{} {{", numa.id);
+            let distances = numa.distances.iter().map(u8::to_string).collect::<Vec<_>>().join(" ");
+            let _ = writeln!(
+                out,
+                "    label={}; style=\"rounded,dashed\"; color=\"#888888\";",
+                dot_id(&format!(
+                    "numa{}: {} vCPUs, {} RAM, distances [{distances}]",
+                    numa.id,
+                    numa.cpus,
+                    super::tree::size(numa.memory)
+                ))
+            );
+            if !self.host_bridges.iter().any(|hb| hb.numa == numa.id) {
+                let id = dot_id(&format!("numa:{}", numa.id));
+                let _ = writeln!(out, "    {id} [shape=plaintext, style=\"\", label=\"no PCI\"];");
+            }
+            for (h, hb) in self.host_bridges.iter().enumerate().filter(|(_, hb)| hb.numa == numa.id) {
+                let label = format!("host bridge {}\nbuses {:02x}-{:02x}", hb.name, hb.first_bus, hb.last_bus);
+                let _ = writeln!(
+                    out,
+                    "    {} [shape=box3d, style=filled, fillcolor=\"#d9d9d9\", label={}];",
+                    dot_id(&format!("hb:{}", hb.name)),
+                    dot_id(&label)
+                );
+                for (i, f) in self.functions.iter().enumerate().filter(|(_, f)| f.host_bridge == h) {
+                    let _ = writeln!(
+                        out,
+                        "    {} [fillcolor=\"{}\", label={}];",
+                        dot_id(&format!("fn:{}", f.name)),
+                        dot_color(f.kind),
+                        dot_id(&self.dot_label(i))
+                    );
+                }
+            }
+            out.push_str("  }\n");
+        }
+        for (i, f) in self.functions.iter().enumerate() {
+            let from = match f.parent {
+                Some(p) => format!("fn:{}", self.functions[p].name),
+                None => format!("hb:{}", self.host_bridges[f.host_bridge].name),
+            };
+            let link = f.link.map(|l| format!(" [label={}]", dot_id(&l.to_string()))).unwrap_or_default();
+            let _ =
+                writeln!(out, "  {} -> {}{link};", dot_id(&from), dot_id(&format!("fn:{}", self.functions[i].name)));
+        }
+        out.push_str("}\n");
+        out
+    }
+
+    /// A function's box: BDF, name, what it is and its IDs.
+    fn dot_label(&self, i: usize) -> String {
+        let f = &self.functions[i];
+        let what = match f.kind {
+            FunctionKind::HostBridge => "host bridge",
+            FunctionKind::RootPort => "root port",
+            FunctionKind::SwitchUpstream => "switch upstream",
+            FunctionKind::SwitchDownstream => "switch downstream",
+            FunctionKind::Endpoint(EndpointKind::Gpu) => "GPU",
+            FunctionKind::Endpoint(EndpointKind::Nic) if f.virtual_function => "NIC VF",
+            FunctionKind::Endpoint(EndpointKind::Nic) => "NIC",
+            FunctionKind::Endpoint(EndpointKind::NvSwitch) => "NVSwitch",
+            FunctionKind::Endpoint(EndpointKind::Generic) => "endpoint",
+        };
+        format!("{} {}\n{what} [{:04x}:{:04x}]", &f.bdf.to_string()[5..], f.name, f.vendor, f.device)
+    }
+}
+
+/// The fill color of a function of `kind`.
+fn dot_color(kind: FunctionKind) -> &'static str {
+    match kind {
+        FunctionKind::HostBridge => "#d9d9d9",
+        FunctionKind::RootPort => "#9ecae1",
+        FunctionKind::SwitchUpstream | FunctionKind::SwitchDownstream => "#c6dbef",
+        FunctionKind::Endpoint(EndpointKind::Gpu) => "#a1d76a",
+        FunctionKind::Endpoint(EndpointKind::Nic) => "#fdb863",
+        FunctionKind::Endpoint(EndpointKind::NvSwitch) => "#c2a5cf",
+        FunctionKind::Endpoint(EndpointKind::Generic) => "#ffffff",
+    }
+}
+
+/// `s` as a quoted Graphviz ID (`"`, `\` escaped; `\n` stays a line break).
+fn dot_id(s: &str) -> String {
+    format!("\"{}\"", s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n"))
 }
 
 /// NCCL's affinity mask for `count` CPUs from `first`: hex, 32-bit groups joined by commas

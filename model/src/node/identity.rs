@@ -31,6 +31,9 @@ pub(super) fn resolve(
     let field = |f: &str| format!("{k}.{f}");
     let file_bars = super::build::parse_bars(&ep.bars, &field("bars"))?;
     let subsystem = ep.subsystem.map(|[v, d]| (v, d));
+    if backing == Backing::VirtioNet {
+        return Ok(virtio_net());
+    }
     let Backing::Vfio(bdf) = backing else {
         let required = |v: Option<u16>, f: &str| {
             v.ok_or_else(|| KeyError::new(field(f), "required (no passed-through device supplies it)"))
@@ -90,6 +93,28 @@ pub(super) fn resolve(
         bars,
         caps: Some(dev.caps),
     })
+}
+
+/// Red Hat's virtio vendor ID.
+pub const VIRTIO_VENDOR: u16 = 0x1af4;
+/// A modern (virtio 1.x, non-transitional) network device: 0x1040 + device type 1.
+pub const VIRTIO_NET_DEVICE: u16 = 0x1041;
+/// Size of a virtio-net endpoint's one BAR (MSI-X table and PBA, then the virtio
+/// structures; see gdrvm-devices' virtio module).
+pub const VIRTIO_NET_BAR_SIZE: u64 = 32 << 10;
+
+/// What a virtio-net endpoint is to the guest, whatever the node file said of the device
+/// it stands in for.
+fn virtio_net() -> Identity {
+    Identity {
+        vendor: VIRTIO_VENDOR,
+        device: VIRTIO_NET_DEVICE,
+        class: 0x02_00_00,
+        // Subsystem device 0x1100 (>= 0x40 for a modern device), as QEMU's.
+        subsystem: Some((VIRTIO_VENDOR, 0x1100)),
+        bars: vec![Bar { index: 0, size: VIRTIO_NET_BAR_SIZE, prefetchable: false, is_64bit: true, address: 0 }],
+        caps: None,
+    }
 }
 
 /// The device's memory BARs at their own register indices (a driver finds them there).
@@ -160,7 +185,7 @@ mod tests {
         assert_eq!(
             err,
             "lab.toml: key endpoint[1] (nic0).backing: 'ivshmem:/x' is not a backing this version knows (none, \
-             vfio:<host BDF>, vfio-user:<socket>, emulated-gpu, emulated-nic)"
+             vfio:<host BDF>, vfio-user:<socket>, emulated-gpu, emulated-nic, virtio-net)"
         );
         let err = parse("kind = \"nic\"\ndevice = 2");
         assert_eq!(err, "lab.toml: key endpoint[1] (nic0).vendor: required (no passed-through device supplies it)");

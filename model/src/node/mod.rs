@@ -17,6 +17,7 @@ use std::path::Path;
 
 pub use address::{BridgeWindows, Window};
 pub use error::NodeError;
+pub use identity::{VIRTIO_NET_BAR_SIZE, VIRTIO_NET_DEVICE, VIRTIO_VENDOR};
 
 use error::KeyError;
 
@@ -205,6 +206,10 @@ pub enum Backing {
     EmulatedGpu,
     /// `gdrvm-nic-emu`, started by the VMM for this endpoint.
     EmulatedNic,
+    /// A virtio-net device in the VMM (modern virtio PCI, IDs 1af4:1041), joined to a wire
+    /// the VMM is told of at run time. It brings its own identity: the endpoint's IDs and
+    /// BARs give way to virtio's, at the endpoint's place in the tree.
+    VirtioNet,
 }
 
 impl Backing {
@@ -222,12 +227,13 @@ impl std::str::FromStr for Backing {
             _ if s == "none" => Ok(Backing::None),
             _ if s == "emulated-gpu" => Ok(Backing::EmulatedGpu),
             _ if s == "emulated-nic" => Ok(Backing::EmulatedNic),
+            _ if s == "virtio-net" => Ok(Backing::VirtioNet),
             Some(("vfio", bdf)) => bdf.parse().map(Backing::Vfio),
             Some(("vfio-user", "")) => Err("'vfio-user:' needs the server's socket path after the colon".into()),
             Some(("vfio-user", path)) => Ok(Backing::VfioUser(path.into())),
             _ => Err(format!(
                 "'{s}' is not a backing this version knows (none, vfio:<host BDF>, vfio-user:<socket>, \
-                 emulated-gpu, emulated-nic)"
+                 emulated-gpu, emulated-nic, virtio-net)"
             )),
         }
     }
@@ -241,6 +247,7 @@ impl fmt::Display for Backing {
             Backing::VfioUser(path) => write!(f, "vfio-user:{}", path.display()),
             Backing::EmulatedGpu => f.write_str("emulated-gpu"),
             Backing::EmulatedNic => f.write_str("emulated-nic"),
+            Backing::VirtioNet => f.write_str("virtio-net"),
         }
     }
 }
@@ -341,6 +348,51 @@ pub struct Function {
     pub trap_bars: bool,
     /// Extra arguments for the emulator the VMM starts for it.
     pub emulator_args: Vec<String>,
+    /// For a virtio-net endpoint: its MAC address and MTU.
+    pub net: Option<NetParams>,
+}
+
+/// What a virtio-net endpoint offers its driver.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NetParams {
+    /// MAC address.
+    pub mac: [u8; 6],
+    /// Largest MTU the device takes (VIRTIO_NET_F_MTU).
+    pub mtu: u16,
+}
+
+/// MTUs a virtio-net endpoint may offer (the IPv4 minimum to jumbo frames).
+pub const NET_MTU_RANGE: std::ops::RangeInclusive<u16> = 68..=9000;
+
+/// An endpoint turned into virtio-net at run time (`gdrvm run --net`, a cluster's wire),
+/// as if its node-file entry said `backing = "virtio-net"` and these keys.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NetAttach {
+    /// The endpoint's name in the node file.
+    pub endpoint: String,
+    /// MAC address (`52:54:00:12:34:56`), if not derived.
+    pub mac: Option<String>,
+    /// MTU, if not 1500.
+    pub mtu: Option<u16>,
+}
+
+/// Parses `aa:bb:cc:dd:ee:ff` into bytes.
+pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
+    let mut mac = [0u8; 6];
+    let mut parts = s.split(':');
+    for byte in &mut mac {
+        let p = parts.next()?;
+        if p.len() != 2 {
+            return None;
+        }
+        *byte = u8::from_str_radix(p, 16).ok()?;
+    }
+    parts.next().is_none().then_some(mac)
+}
+
+/// Formats a MAC address as `aa:bb:cc:dd:ee:ff`.
+pub fn format_mac(mac: &[u8; 6]) -> String {
+    mac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")
 }
 
 /// The ACS controls a node file may set, by bit of the ACS Control register (PCIe 4.0,
@@ -410,14 +462,27 @@ impl Node {
 
     /// A preset name, or else a path to a node file.
     pub fn resolve(arg: &str) -> Result<Node, NodeError> {
-        match Node::preset(arg) {
-            Some(node) if !Path::new(arg).exists() => node,
-            _ if !Path::new(arg).exists() => Err(NodeError::whole_file(
-                arg,
-                format!("no such node file, and not a preset ({})", preset_names().join(", ")),
-            )),
-            _ => Node::load(Path::new(arg)),
-        }
+        Node::resolve_with(arg, &[])
+    }
+
+    /// [`Node::resolve`], with endpoints turned into virtio-net by `nets` before the node is
+    /// checked (errors name the endpoint's key as if the file said it).
+    pub fn resolve_with(arg: &str, nets: &[NetAttach]) -> Result<Node, NodeError> {
+        let (origin, text, source) = match Node::preset_text(arg) {
+            Some(text) if !Path::new(arg).exists() => (format!("preset {arg}"), text.to_owned(), arg.to_owned()),
+            _ if !Path::new(arg).exists() => {
+                return Err(NodeError::whole_file(
+                    arg,
+                    format!("no such node file, and not a preset ({})", preset_names().join(", ")),
+                ))
+            }
+            _ => {
+                let text = std::fs::read_to_string(arg).map_err(|e| NodeError::whole_file(arg, e.to_string()))?;
+                (arg.to_owned(), text, arg.to_owned())
+            }
+        };
+        let node = build::build_with(&origin, &text, &HostPci::default(), nets)?;
+        Ok(Node { source, ..node })
     }
 
     /// Checks node-file text; `origin` names it in errors. Passed-through devices are

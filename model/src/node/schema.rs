@@ -108,13 +108,20 @@ pub struct EndpointEntry {
     #[serde(default)]
     pub virtual_function: bool,
     /// What stands behind the endpoint: `none`, `vfio:<host BDF>`, `vfio-user:<socket>`,
-    /// `emulated-gpu` or `emulated-nic`.
+    /// `emulated-gpu`, `emulated-nic` or `virtio-net`.
     #[serde(default = "no_backing")]
     pub backing: String,
     /// Extra arguments for the emulator the VMM starts (emulated backings only), e.g.
     /// `["--fault", "exit-after=20s"]` to test how the guest and VMM cope with its death.
     #[serde(default)]
     pub emulator_args: Vec<String>,
+    /// virtio-net only: the MAC address (`52:54:00:12:34:56`); derived from the node's and
+    /// endpoint's names when absent.
+    #[serde(default)]
+    pub mac: Option<String>,
+    /// virtio-net only: the MTU the device offers (68 to 9000, default 1500).
+    #[serde(default)]
+    pub mtu: Option<u16>,
     /// Trap every guest access to the device's BARs instead of mapping them (to measure
     /// the exit cost; slow).
     #[serde(default)]

@@ -285,6 +285,44 @@ fn test_nccl_xml_snapshot_and_bus_ids() {
     insta::assert_snapshot!("vela_a100_nccl_xml", xml);
 }
 
+#[test]
+fn test_dot_snapshot_and_every_function() {
+    for name in ["minimal", "vela-a100"] {
+        let node = preset(name);
+        let dot = node.dot();
+        for f in &node.functions {
+            assert!(dot.contains(&format!("\"fn:{}\" [fillcolor=", f.name)), "{name}: {}", f.name);
+        }
+        let edges = dot.lines().filter(|l| l.contains(" -> ")).count();
+        assert_eq!(edges, node.functions.len(), "{name}: one edge into every function");
+        assert_eq!(dot.matches("subgraph cluster_numa").count(), node.numa.len(), "{name}");
+    }
+    insta::assert_snapshot!("minimal_dot", preset("minimal").dot());
+    insta::assert_snapshot!("vela_a100_dot", preset("vela-a100").dot());
+}
+
+/// Graphviz must accept the graph (`dot -Tsvg`); skips when Graphviz is not installed.
+#[test]
+fn test_graphviz_accepts_dot() {
+    if std::process::Command::new("dot").arg("-V").output().is_err() {
+        eprintln!("SKIP test_graphviz_accepts_dot: dot (graphviz) not installed");
+        return;
+    }
+    for name in standalone_preset_names() {
+        let mut child = std::process::Command::new("dot")
+            .arg("-Tsvg")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::io::Write::write_all(&mut child.stdin.take().unwrap(), preset(name).dot().as_bytes()).unwrap();
+        let out = child.wait_with_output().unwrap();
+        let svg = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success() && svg.contains("<svg"), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+}
+
 /// QEMU 7.2 must accept the command line (started paused, stopped after a moment).
 #[test]
 fn test_qemu_accepts_qemu_args() {
