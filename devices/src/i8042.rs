@@ -33,6 +33,7 @@ impl BusDevice for I8042 {
 
     fn write(&mut self, offset: u64, data: &[u8]) {
         if offset == 4 && data.first() == Some(&CMD_RESET_CPU) {
+            tracing::warn!("the guest resets through the keyboard controller (port 0x64)");
             self.signal.request(GuestExit::Reset);
         }
     }

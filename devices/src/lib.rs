@@ -18,6 +18,9 @@
 //!
 //! The emulated GPU and RoCE NIC that the vfio-user server binaries (`gdrvm-gpu-emu`,
 //! `gdrvm-nic-emu`) serve are in [`emu`].
+//!
+//! The NIC stand-in in the VMM itself is [`VirtioNet`] (modern virtio PCI, [`virtio`]); its
+//! doorbells are [`IoEvent`]s, and it is joined to other nodes through a [`net::FramePort`].
 
 mod bus;
 mod debug_exit;
@@ -25,12 +28,14 @@ mod dma;
 pub mod emu;
 mod exit;
 mod i8042;
+pub mod net;
 mod pci;
 mod serial;
 mod sleep;
 mod sync;
 mod vfio;
 pub mod vfio_user;
+pub mod virtio;
 
 pub use bus::{Bus, BusDevice, BusError};
 pub use debug_exit::DebugExit;
@@ -40,8 +45,8 @@ pub use i8042::I8042;
 pub use pci::regs as pci_regs;
 pub use pci::{
     merge_ranges, BarChange, BarInfo, BarMapping, ConfigOwnership, ConfigSpace, ConfigWriteEffects, DeviceError, Fire,
-    MsiCapability, MsiEvent, MsiInfo, MsiMessage, MsixControl, MsixEvent, MsixLayout, MsixTable, Owner, PciDevice,
-    ACS_CAPABILITIES, CONFIG_SPACE_SIZE, MSIX_MAX_VECTORS, MSI_MAX_VECTORS,
+    IoEvent, MsiCapability, MsiEvent, MsiInfo, MsiMessage, MsixControl, MsixEvent, MsixLayout, MsixTable, Owner,
+    PciDevice, ACS_CAPABILITIES, CONFIG_SPACE_SIZE, MSIX_MAX_VECTORS, MSI_MAX_VECTORS,
 };
 pub use serial::{Serial, SerialInput, COM1_IRQ, COM1_LEN, COM1_PORT};
 pub use sleep::{
@@ -53,3 +58,4 @@ pub use vfio::{
     VfioContainerOps, VfioDeviceFd, VfioDeviceOps, VfioDmaTarget, VfioError, VfioOptions, VfioPciDevice,
 };
 pub use vfio_user::{open_user_device, UserConnection, UserDeviceOps, UserDmaTarget, UserError};
+pub use virtio::{NetStats, VirtioNet};

@@ -68,6 +68,7 @@ impl BusDevice for ResetRegister {
     fn write(&mut self, _offset: u64, data: &[u8]) {
         // Bit 2 starts the reset; 0x06 (full reset) and 0x04 both reset a PC.
         if data.first().is_some_and(|v| v & 0x04 != 0) {
+            tracing::warn!("the guest resets through the ACPI reset register (port 0xcf9)");
             self.signal.request(GuestExit::Reset);
         }
     }

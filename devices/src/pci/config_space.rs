@@ -137,6 +137,61 @@ impl ConfigSpace {
         }
     }
 
+    /// Appends capability `cap` (its ID in byte 0, its length as written; the next pointer
+    /// in byte 1 is set here) to the end of the capability list, at the first dword after
+    /// every capability already listed, and lets the guest write the bits `writable` sets
+    /// (as long as `cap`, or shorter: the rest read-only). Starts the list if there is none.
+    /// Returns where it went, or `None` when it does not fit in the first 256 bytes.
+    pub(crate) fn append_capability(&mut self, cap: &[u8], writable: &[u8]) -> Option<usize> {
+        let mut last = None;
+        let mut end = PCI_STD_HEADER_SIZEOF;
+        if self.read16(PCI_STATUS) & PCI_STATUS_CAP_LIST != 0 {
+            let mut at = usize::from(self.bytes[PCI_CAPABILITY_LIST] & !3);
+            // A list longer than 48 entries loops (Linux's PCI_FIND_CAP_TTL).
+            for _ in 0..48 {
+                if at < PCI_STD_HEADER_SIZEOF || at + 2 > PCI_CFG_SPACE_SIZE {
+                    break;
+                }
+                end = end.max(at + self.capability_len(at));
+                last = Some(at);
+                at = usize::from(self.bytes[at + PCI_CAP_LIST_NEXT] & !3);
+            }
+        }
+        let at = end.next_multiple_of(4);
+        if cap.len() < 2 || at + cap.len() > PCI_CFG_SPACE_SIZE || writable.len() > cap.len() {
+            return None;
+        }
+        self.bytes[at..at + cap.len()].copy_from_slice(cap);
+        self.bytes[at + PCI_CAP_LIST_NEXT] = 0;
+        self.wmask[at..at + writable.len()].copy_from_slice(writable);
+        match last {
+            Some(prev) => self.bytes[prev + PCI_CAP_LIST_NEXT] = at as u8,
+            None => {
+                self.set16(PCI_STATUS, self.read16(PCI_STATUS) | PCI_STATUS_CAP_LIST);
+                self.set8(PCI_CAPABILITY_LIST, at as u8);
+            }
+        }
+        Some(at)
+    }
+
+    /// Bytes the capability at `at` spans, as far as this model's capabilities go.
+    fn capability_len(&self, at: usize) -> usize {
+        match self.bytes[at + PCI_CAP_LIST_ID] {
+            PCI_CAP_ID_EXP => PCI_CAP_EXP_ENDPOINT_SIZEOF_V2,
+            PCI_CAP_ID_MSIX => PCI_CAP_MSIX_SIZEOF,
+            PCI_CAP_ID_PM => PCI_PM_SIZEOF,
+            // Vendor-specific: its length byte.
+            PCI_CAP_ID_VNDR => usize::from(self.bytes[at + PCI_CAP_FLAGS]).max(PCI_CAP_FLAGS + 1),
+            // MSI with 64-bit addresses and per-vector masking, the largest form.
+            PCI_CAP_ID_MSI => 24,
+            _ => 4,
+        }
+    }
+
+    fn read16(&self, at: usize) -> u16 {
+        u16::from_le_bytes([self.bytes[at], self.bytes[at + 1]])
+    }
+
     fn set8(&mut self, at: usize, v: u8) {
         self.bytes[at] = v;
     }
@@ -285,5 +340,53 @@ impl ConfigSpace {
     /// The header of the one extended capability: `id`, version 1, nothing after it.
     fn ext_capability_header(&mut self, id: u16) {
         self.set32(EXT_CAP, u32::from(id) | (1 << 16));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The minimal preset's NIC: a PCIe capability at 0x40, MSI-X at 0x80.
+    fn nic() -> ConfigSpace {
+        let node = Node::preset("minimal").unwrap().unwrap();
+        let i = node.functions.iter().position(|f| f.name == "nic0").unwrap();
+        ConfigSpace::for_function(&node, i)
+    }
+
+    fn byte(c: &ConfigSpace, at: usize) -> u8 {
+        let mut b = [0u8];
+        c.read(at, &mut b);
+        b[0]
+    }
+
+    #[test]
+    fn test_append_capability_links_after_the_last() {
+        let mut c = nic();
+        assert_eq!(byte(&c, MSIX_CAP + PCI_CAP_LIST_NEXT), 0);
+        let mut cap = [0u8; 16];
+        cap[0] = PCI_CAP_ID_VNDR;
+        cap[1] = 0x55; // overwritten: the new capability ends the list
+        cap[2] = 16;
+        let at = c.append_capability(&cap, &[0, 0, 0, 0xff]).unwrap();
+        assert_eq!(at, MSIX_CAP + PCI_CAP_MSIX_SIZEOF);
+        assert_eq!(byte(&c, MSIX_CAP + PCI_CAP_LIST_NEXT), at as u8);
+        assert_eq!((byte(&c, at), byte(&c, at + 1), byte(&c, at + 2)), (PCI_CAP_ID_VNDR, 0, 16));
+        // Only the writable byte takes a guest write.
+        c.write(at, &[0xaa; 4]);
+        assert_eq!((byte(&c, at), byte(&c, at + 3)), (PCI_CAP_ID_VNDR, 0xaa));
+        // The next one goes after it, by its length byte.
+        let second = c.append_capability(&cap, &[]).unwrap();
+        assert_eq!(second, at + 16);
+        assert_eq!(byte(&c, at + PCI_CAP_LIST_NEXT), second as u8);
+        // Until the first 256 bytes are full: the last 4 bytes still take a short one.
+        let mut last = second;
+        while let Some(at) = c.append_capability(&cap, &[]) {
+            last = at;
+        }
+        assert_eq!(last + 16, PCI_CFG_SPACE_SIZE - 4);
+        let short = [PCI_CAP_ID_VNDR, 0, 4, 0];
+        assert_eq!(c.append_capability(&short, &[]), Some(PCI_CFG_SPACE_SIZE - 4));
+        assert_eq!(c.append_capability(&short, &[]), None);
     }
 }

@@ -70,6 +70,25 @@ pub trait PciDevice: Send {
     fn reset(&mut self) -> Result<(), DeviceError> {
         Ok(())
     }
+    /// The device's doorbells: guest writes the VMM should turn into eventfd signals
+    /// without an exit (KVM ioeventfds) while the BAR is placed. The fds are clones
+    /// (`try_clone`) of the device's own. Default: none.
+    fn ioeventfds(&self) -> Vec<IoEvent> {
+        Vec::new()
+    }
+}
+
+/// A doorbell: guest writes (any size, any value) to BAR `bar` at `offset` signal `fd`;
+/// the VMM registers it as a KVM ioeventfd while the BAR is placed, so such writes do
+/// not exit to the VMM. Writes that still arrive through bar_write must have the same effect.
+#[derive(Debug)]
+pub struct IoEvent {
+    /// The BAR the doorbell is in.
+    pub bar: u8,
+    /// Offset of the doorbell from the BAR's start.
+    pub offset: u64,
+    /// Signalled on every write to the doorbell.
+    pub fd: EventFd,
 }
 
 /// Where a device's MSI-X structures are (from its MSI-X capability).

@@ -12,7 +12,7 @@ mod ownership;
 pub mod regs;
 
 pub use config_space::{ConfigSpace, ACS_CAPABILITIES, CONFIG_SPACE_SIZE};
-pub use device::{merge_ranges, BarInfo, BarMapping, DeviceError, MsiInfo, MsixLayout, PciDevice};
+pub use device::{merge_ranges, BarInfo, BarMapping, DeviceError, IoEvent, MsiInfo, MsixLayout, PciDevice};
 pub use effects::{BarChange, ConfigWriteEffects, MsixControl};
 pub use msi::{MsiCapability, MsiEvent, MSI_MAX_VECTORS};
 pub use msix::{Fire, MsiMessage, MsixEvent, MsixTable, MSIX_MAX_VECTORS};

@@ -13,7 +13,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use vfio_bindings::bindings::vfio::VFIO_PCI_CONFIG_REGION_INDEX;
@@ -271,21 +271,29 @@ impl UserConnection {
         self.max_xfer
     }
 
-    /// Sends `command` with `payload` and `fds` and waits for its reply.
-    fn request(&self, command: Command, payload: &[u8], fds: &[BorrowedFd<'_>]) -> Result<Reply, UserError> {
+    /// Takes the connection for one message: the socket, and the header of `command` with
+    /// the next message ID; fails at once if the connection has failed (before or while
+    /// another request held it).
+    fn begin(&self, command: Command, len: usize) -> Result<(MutexGuard<'_, Io>, Header), UserError> {
+        let failed = || UserError::Failed { name: self.name.clone(), command };
         if self.is_failed() {
-            return Err(UserError::Failed { name: self.name.clone(), command });
+            return Err(failed());
         }
         let mut io = lock(&self.io);
-        // A request that held the lock may have failed the connection meanwhile.
         if self.is_failed() {
-            return Err(UserError::Failed { name: self.name.clone(), command });
+            return Err(failed());
         }
-        let timeout = self.timeout();
-        let deadline = Some(Instant::now() + timeout);
         let id = io.next_id;
         io.next_id = id.wrapping_add(1);
-        let header = Header::command(id, command, payload.len());
+        Ok((io, Header::command(id, command, len)))
+    }
+
+    /// Sends `command` with `payload` and `fds` and waits for its reply.
+    fn request(&self, command: Command, payload: &[u8], fds: &[BorrowedFd<'_>]) -> Result<Reply, UserError> {
+        let (io, header) = self.begin(command, payload.len())?;
+        let id = header.msg_id;
+        let timeout = self.timeout();
+        let deadline = Some(Instant::now() + timeout);
         if let Err(e) = transport::send(&io.stream, &header, payload, fds, deadline) {
             return Err(self.broken(&io, command, e, timeout));
         }
@@ -414,17 +422,8 @@ impl UserConnection {
 
     /// Sends `command` with the no-reply flag: done once it is on the socket.
     fn post(&self, command: Command, payload: &[u8]) -> Result<(), UserError> {
-        if self.is_failed() {
-            return Err(UserError::Failed { name: self.name.clone(), command });
-        }
-        let mut io = lock(&self.io);
-        if self.is_failed() {
-            return Err(UserError::Failed { name: self.name.clone(), command });
-        }
+        let (io, mut header) = self.begin(command, payload.len())?;
         let timeout = self.timeout();
-        let id = io.next_id;
-        io.next_id = id.wrapping_add(1);
-        let mut header = Header::command(id, command, payload.len());
         header.flags |= FLAG_NO_REPLY;
         match transport::send(&io.stream, &header, payload, &[], Some(Instant::now() + timeout)) {
             Ok(()) => Ok(()),
