@@ -119,10 +119,37 @@ impl Archive {
             .collect())
     }
 
+    /// The names of the packages the archive knows that start with `prefix`
+    /// (`apt-cache pkgnames`), sorted.
+    pub fn package_names(&self, prefix: &str) -> Result<Vec<String>, ImageError> {
+        let out = self.run("apt-cache", &["pkgnames", prefix], None)?;
+        let mut names: Vec<String> = String::from_utf8_lossy(&out.stdout).lines().map(str::to_owned).collect();
+        names.sort();
+        Ok(names)
+    }
+
+    /// The sha256 of `package` at `version` as the archive's index records it (`apt-cache
+    /// show`), without downloading the .deb; `None` when the lists do not have it.
+    pub fn indexed_sha256(&self, package: &str, version: &str) -> Result<Option<String>, ImageError> {
+        self.indexed_field(package, version, "SHA256")
+    }
+
+    /// A field (`SHA256`, `Size`) of `package` at `version` in apt's index.
+    fn indexed_field(&self, package: &str, version: &str, field: &str) -> Result<Option<String>, ImageError> {
+        let out = self.run("apt-cache", &["show", &format!("{package}={version}")], None)?;
+        let prefix = format!("{field}: ");
+        Ok(String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .find_map(|l| l.strip_prefix(prefix.as_str()))
+            .map(|s| s.trim().to_owned()))
+    }
+
     /// Downloads `pin` into `dir` with `apt-get download`, refreshing stale lists once.
     fn download(&self, pin: &Package, dir: &Path, progress: &Progress) -> Result<PathBuf, ImageError> {
         let spec = format!("{}={}", pin.package, pin.version);
-        progress(&format!("downloading {spec} (apt-get download)"));
+        let size = self.indexed_field(&pin.package, &pin.version, "Size")?.and_then(|s| s.parse::<u64>().ok());
+        let size = size.map(|b| format!(", {:.1} MB", b as f64 / 1e6)).unwrap_or_default();
+        progress(&format!("downloading {spec} (apt-get download{size})"));
         let mut out = self.run("apt-get", &["download", "-q", &spec], Some(dir))?;
         if !out.status.success() && not_in_lists(&out) {
             if !self.refresh_once(progress)? {

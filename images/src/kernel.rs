@@ -9,6 +9,7 @@ use object::{Object, ObjectSection};
 use crate::ImageError;
 
 const XZ_MAGIC: &[u8] = b"\xfd7zXZ\x00";
+const ZSTD_MAGIC: &[u8] = b"\x28\xb5\x2f\xfd";
 /// boot_params offsets (Documentation/arch/x86/boot.rst).
 const SETUP_SECTS: usize = 0x1f1;
 const HEADER_MAGIC: usize = 0x202;
@@ -19,7 +20,8 @@ fn u32_at(data: &[u8], at: usize) -> Option<u32> {
     Some(u32::from_le_bytes(data.get(at..at + 4)?.try_into().ok()?))
 }
 
-/// Extracts the ELF vmlinux from a bzImage whose payload is xz-compressed.
+/// Extracts the ELF vmlinux from a bzImage whose payload is xz- (Debian's 6.1) or
+/// zstd-compressed (Debian's 6.12).
 pub fn extract_vmlinux(bzimage: &[u8], name: &Path) -> Result<Vec<u8>, ImageError> {
     let bad = |reason: &str| ImageError::Kernel { path: name.to_owned(), reason: reason.to_owned() };
     if bzimage.get(HEADER_MAGIC..HEADER_MAGIC + 4) != Some(b"HdrS") {
@@ -34,14 +36,28 @@ pub fn extract_vmlinux(bzimage: &[u8], name: &Path) -> Result<Vec<u8>, ImageErro
     let length = u32_at(bzimage, PAYLOAD_LENGTH).ok_or_else(|| bad("truncated header"))? as usize;
     let start = (setup_sects + 1) * 512 + offset;
     let payload = bzimage.get(start..start + length).ok_or_else(|| bad("payload runs past the end of the file"))?;
-    if !payload.starts_with(XZ_MAGIC) {
-        return Err(bad("payload is not xz-compressed (only xz kernels are supported)"));
-    }
-    let vmlinux = xz_single_stream(payload).map_err(|e| bad(&format!("xz payload does not decompress: {e}")))?;
+    let vmlinux = if payload.starts_with(XZ_MAGIC) {
+        xz_single_stream(payload).map_err(|e| bad(&format!("xz payload does not decompress: {e}")))?
+    } else if payload.starts_with(ZSTD_MAGIC) {
+        zstd_single_frame(payload).map_err(|e| bad(&format!("zstd payload does not decompress: {e}")))?
+    } else {
+        return Err(bad("payload is neither xz- nor zstd-compressed (the kernels gdrvm reads)"));
+    };
     if !vmlinux.starts_with(b"\x7fELF") {
         return Err(bad("decompressed payload is not an ELF vmlinux"));
     }
     Ok(vmlinux)
+}
+
+/// Decompresses the first zstd frame of `data`, ignoring what follows (the size the
+/// kernel appends).
+fn zstd_single_frame(data: &[u8]) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut input = data;
+    let mut decoder = ruzstd::decoding::StreamingDecoder::new(&mut input).map_err(std::io::Error::other)?;
+    let mut out = Vec::with_capacity(data.len() * 4);
+    decoder.read_to_end(&mut out)?;
+    Ok(out)
 }
 
 /// Decompresses the first xz stream of `data` and ignores what follows it (the kernel
@@ -80,9 +96,25 @@ pub struct ResolvedModule {
     pub path: PathBuf,
 }
 
+/// A module's name from its file: `virtio_net.ko`, or `virtio_net.ko.xz` as Debian's
+/// 6.12 packages ship them.
 fn module_name(file: &Path) -> Option<String> {
-    let name = file.file_name()?.to_str()?.strip_suffix(".ko")?;
+    let file = file.file_name()?.to_str()?;
+    let name = file.strip_suffix(".ko").or_else(|| file.strip_suffix(".ko.xz"))?;
     Some(name.replace('-', "_"))
+}
+
+/// The bytes of a module file, decompressed when it is a `.ko.xz`: the guest loads plain
+/// ELF modules, whatever its kernel's own decompression support.
+pub fn module_bytes(ko: &Path) -> Result<Vec<u8>, ImageError> {
+    let data = std::fs::read(ko).map_err(|e| ImageError::Io { path: ko.to_owned(), source: e })?;
+    if !data.starts_with(XZ_MAGIC) {
+        return Ok(data);
+    }
+    xz_single_stream(&data).map_err(|e| ImageError::Module {
+        module: ko.display().to_string(),
+        reason: format!("xz-compressed module does not decompress: {e}"),
+    })
 }
 
 impl ModuleIndex {
@@ -160,7 +192,7 @@ impl ModuleIndex {
 /// The `depends=` list in a module's `.modinfo` section.
 pub fn depends(ko: &Path) -> Result<Vec<String>, ImageError> {
     let bad = |reason: String| ImageError::Module { module: ko.display().to_string(), reason };
-    let data = std::fs::read(ko).map_err(|e| ImageError::Io { path: ko.to_owned(), source: e })?;
+    let data = module_bytes(ko)?;
     let file = object::File::parse(&*data).map_err(|e| bad(format!("not an ELF module: {e}")))?;
     let section = file.section_by_name(".modinfo").ok_or_else(|| bad("no .modinfo section".into()))?;
     let info = section.data().map_err(|e| bad(e.to_string()))?;
@@ -184,8 +216,17 @@ mod tests {
     fn fake_bzimage(payload_body: &[u8]) -> Vec<u8> {
         let mut enc = xz2::write::XzEncoder::new(Vec::new(), 6);
         enc.write_all(payload_body).unwrap();
-        let mut xz = enc.finish().unwrap();
-        xz.extend_from_slice(&(payload_body.len() as u32).to_le_bytes());
+        bzimage_around(enc.finish().unwrap(), payload_body.len())
+    }
+
+    /// The same with a zstd payload, as Debian's 6.12 kernels have.
+    fn fake_zstd_bzimage(payload_body: &[u8]) -> Vec<u8> {
+        let zst = ruzstd::encoding::compress_to_vec(payload_body, ruzstd::encoding::CompressionLevel::Fastest);
+        bzimage_around(zst, payload_body.len())
+    }
+
+    fn bzimage_around(mut xz: Vec<u8>, size: usize) -> Vec<u8> {
+        xz.extend_from_slice(&(size as u32).to_le_bytes());
         let mut img = vec![0u8; 2 * 512];
         img[SETUP_SECTS] = 1;
         img[HEADER_MAGIC..HEADER_MAGIC + 4].copy_from_slice(b"HdrS");
@@ -204,6 +245,27 @@ mod tests {
     }
 
     #[test]
+    fn test_extracts_zstd_payload_ignoring_trailer() {
+        let body = [b"\x7fELF".as_slice(), &vec![0x90; 100_000]].concat();
+        let out = extract_vmlinux(&fake_zstd_bzimage(&body), Path::new("vmlinuz")).unwrap();
+        assert_eq!(out, body);
+    }
+
+    #[test]
+    fn test_xz_modules_are_named_and_decompressed() {
+        let dir = tempfile::tempdir().unwrap();
+        let ko = dir.path().join("virtio-net.ko.xz");
+        let mut enc = xz2::write::XzEncoder::new(Vec::new(), 6);
+        enc.write_all(b"\x7fELF module").unwrap();
+        std::fs::write(&ko, enc.finish().unwrap()).unwrap();
+        assert_eq!(module_name(&ko).as_deref(), Some("virtio_net"));
+        assert_eq!(module_bytes(&ko).unwrap(), b"\x7fELF module");
+        let plain = dir.path().join("plain.ko");
+        std::fs::write(&plain, b"\x7fELF plain").unwrap();
+        assert_eq!(module_bytes(&plain).unwrap(), b"\x7fELF plain");
+    }
+
+    #[test]
     fn test_rejects_non_kernels() {
         let e = extract_vmlinux(b"not a kernel", Path::new("k")).unwrap_err().to_string();
         assert!(e.contains("no HdrS"), "{e}");
@@ -211,7 +273,7 @@ mod tests {
         let start = 2 * 512 + 16;
         img[start] = 0; // break the xz magic
         let e = extract_vmlinux(&img, Path::new("k")).unwrap_err().to_string();
-        assert!(e.contains("not xz"), "{e}");
+        assert!(e.contains("neither xz- nor zstd"), "{e}");
         let e = extract_vmlinux(&fake_bzimage(b"MZ not elf"), Path::new("k")).unwrap_err().to_string();
         assert!(e.contains("not an ELF"), "{e}");
     }

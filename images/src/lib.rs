@@ -9,6 +9,7 @@
 mod debian;
 mod initramfs;
 mod kernel;
+mod kernels;
 mod recipe;
 mod repin;
 
@@ -20,8 +21,12 @@ use sha2::{Digest, Sha256};
 
 pub use debian::{sha256_file, Archive, REPIN_COMMAND};
 pub use initramfs::{Initramfs, Source};
-pub use kernel::{extract_vmlinux, ModuleIndex, ResolvedModule};
+pub use kernel::{extract_vmlinux, module_bytes, ModuleIndex, ResolvedModule};
+pub use kernels::{
+    kernel_order, lock_path, update as update_kernel_lock, KernelLock, LockChanges, LockedKernel, DEBIAN_PREFIX,
+};
 pub use recipe::{KernelPackage, Modules, Package, Recipe};
+
 pub use repin::{repin, Repinned};
 
 /// Bumped when the layout of built images changes, so old cache entries are rebuilt.
@@ -97,6 +102,18 @@ pub enum ImageError {
         /// What is wrong.
         reason: String,
     },
+    /// A kernel that the lock file does not pin (or the archive no longer serves).
+    #[error(
+        "kernel {kernel}: {} does not pin it (it pins {}); `cargo xtask kernels update` refreshes it from Debian's archive",
+        lock_path().display(),
+        if known.is_empty() { "none".to_owned() } else { known.join(", ") }
+    )]
+    UnknownKernel {
+        /// The kernel asked for.
+        kernel: String,
+        /// The kernels pinned.
+        known: Vec<String>,
+    },
     /// A file could not be read or written.
     #[error("{path}: {source}")]
     Io {
@@ -122,10 +139,40 @@ pub struct ExtraFile {
     pub mode: u32,
 }
 
+/// Where an image's kernel and its modules come from, when not the recipe's package.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KernelSource {
+    /// A pinned Debian package (from the kernels lock).
+    Package(KernelPackage),
+    /// A kernel built from a tree: its image (`arch/x86/boot/bzImage`, or an ELF vmlinux
+    /// with a PVH note) and where `make modules_install INSTALL_MOD_PATH=DIR` put its
+    /// modules (DIR, or DIR/lib/modules/<release>).
+    Built {
+        /// bzImage or vmlinux.
+        image: PathBuf,
+        /// INSTALL_MOD_PATH, or the lib/modules/<release> under it.
+        modules: PathBuf,
+    },
+}
+
+/// What a build changes from its recipe.
+#[derive(Debug, Clone, Default)]
+pub struct Customization {
+    /// Another kernel than the recipe's (`None`: the recipe's).
+    pub kernel: Option<KernelSource>,
+    /// Out-of-tree modules (.ko built against that kernel), loaded after the recipe's
+    /// required ones, their in-tree dependencies first; one that fails to load makes the
+    /// guest report "cannot test".
+    pub user_modules: Vec<PathBuf>,
+    /// Files the caller adds.
+    pub extras: Vec<ExtraFile>,
+}
+
 /// A built image.
 #[derive(Debug, Clone)]
 pub struct BuiltImage {
-    /// The extracted kernel (ELF with a PVH note).
+    /// The kernel to boot: an ELF vmlinux with a PVH note (for a tree-built kernel whose
+    /// payload cannot be extracted, its bzImage).
     pub vmlinux: PathBuf,
     /// The initramfs.
     pub initramfs: PathBuf,
@@ -170,25 +217,131 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> ImageError + '_ {
     move |source| ImageError::Io { path: path.to_owned(), source }
 }
 
-fn cache_key(recipe: &Recipe, extras: &[ExtraFile]) -> Result<String, ImageError> {
+fn hex(digest: &[u8]) -> String {
+    digest.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Hashes a host file by name, size and modification time (cheap; changes when rebuilt).
+fn hash_file_stamp(h: &mut Sha256, p: &Path) -> Result<(), ImageError> {
+    let meta = std::fs::metadata(p).map_err(io(p))?;
+    let mtime = meta.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok());
+    h.update(p.to_string_lossy().as_bytes());
+    h.update(meta.len().to_le_bytes());
+    h.update(mtime.map_or(0, |d| d.as_nanos()).to_le_bytes());
+    Ok(())
+}
+
+fn cache_key(recipe: &Recipe, custom: &Customization, kernel: &ResolvedKernel) -> Result<String, ImageError> {
     let mut h = Sha256::new();
     h.update(IMAGE_FORMAT);
     h.update(&recipe.text);
-    for extra in extras {
+    h.update(kernel.vmlinux.to_string_lossy().as_bytes());
+    h.update(kernel.modules_dir.to_string_lossy().as_bytes());
+    for m in &custom.user_modules {
+        // By content: a bisection rebuilds the module at the same path within a second.
+        let data = std::fs::read(m).map_err(io(m))?;
+        h.update(m.to_string_lossy().as_bytes());
+        h.update(Sha256::digest(&data));
+    }
+    for extra in &custom.extras {
         h.update(&extra.guest_path);
         h.update(extra.mode.to_le_bytes());
         match &extra.source {
             Source::Bytes(b) => h.update(b),
-            Source::Host(p) => {
-                let meta = std::fs::metadata(p).map_err(io(p))?;
-                let mtime = meta.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok());
-                h.update(p.to_string_lossy().as_bytes());
-                h.update(meta.len().to_le_bytes());
-                h.update(mtime.map_or(0, |d| d.as_nanos()).to_le_bytes());
-            }
+            Source::Host(p) => hash_file_stamp(&mut h, p)?,
         }
     }
-    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+    Ok(hex(&h.finalize()))
+}
+
+/// The kernel an image boots, ready: its vmlinux in the cache and its modules' directory.
+struct ResolvedKernel {
+    vmlinux: PathBuf,
+    modules_dir: PathBuf,
+    release: String,
+}
+
+/// Writes the kernel of `image` to `vmlinux` if missing: its ELF vmlinux (an ELF already, or
+/// extracted from an xz or zstd bzImage, so boots skip the decompressor). With
+/// `keep_bzimage`, a bzImage whose payload cannot be extracted (gzip, lz4: a tree's
+/// default) is kept as it is; the VMM boots bzImages too, only slower.
+fn place_vmlinux(image: &Path, vmlinux: &Path, keep_bzimage: bool, progress: &Progress) -> Result<(), ImageError> {
+    if vmlinux.exists() {
+        return Ok(());
+    }
+    progress(&format!("extracting vmlinux from {}", image.display()));
+    let data = std::fs::read(image).map_err(io(image))?;
+    let elf = if data.starts_with(b"\x7fELF") {
+        data
+    } else {
+        match extract_vmlinux(&data, image) {
+            Ok(elf) => elf,
+            Err(e) if keep_bzimage && data.get(0x202..0x206) == Some(b"HdrS") => {
+                progress(&format!("booting the bzImage as it is ({e})"));
+                data
+            }
+            Err(e) => return Err(e),
+        }
+    };
+    let dir = vmlinux.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let tmp = vmlinux.with_extension("partial");
+    std::fs::write(&tmp, elf).map_err(io(&tmp))?;
+    std::fs::rename(&tmp, vmlinux).map_err(io(vmlinux))
+}
+
+/// Fetches and unpacks a kernel package, or finds a built kernel's files.
+fn resolve_kernel(source: &KernelSource, cache: &Cache, progress: &Progress) -> Result<ResolvedKernel, ImageError> {
+    match source {
+        KernelSource::Package(kernel) => {
+            let deb = fetch(&kernel.pin, cache, progress)?;
+            let tree = cache.dir("unpacked")?.join(format!("{}_{}", kernel.pin.package, kernel.pin.version));
+            debian::unpack(&deb, &tree, progress)?;
+            let vmlinux = cache.root.join("kernels").join(&kernel.release).join("vmlinux");
+            place_vmlinux(&tree.join("boot").join(format!("vmlinuz-{}", kernel.release)), &vmlinux, false, progress)?;
+            Ok(ResolvedKernel {
+                vmlinux,
+                modules_dir: tree.join("lib/modules").join(&kernel.release),
+                release: kernel.release.clone(),
+            })
+        }
+        KernelSource::Built { image, modules } => {
+            let bad = |path: &Path, reason: String| ImageError::Kernel { path: path.to_owned(), reason };
+            let modules_dir = built_modules_dir(modules).map_err(|r| bad(modules, r))?;
+            let release = modules_dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            // By content: a kernel tree rebuilds the same release with other code.
+            let data = std::fs::read(image).map_err(io(image))?;
+            let digest = hex(&Sha256::digest(&data));
+            let vmlinux = cache.root.join("kernels").join(format!("built-{}", &digest[..16])).join("vmlinux");
+            place_vmlinux(image, &vmlinux, true, progress)?;
+            Ok(ResolvedKernel { vmlinux, modules_dir, release })
+        }
+    }
+}
+
+/// The `lib/modules/<release>` directory of a `modules_install` under `dir` (or `dir`
+/// itself when it is one).
+fn built_modules_dir(dir: &Path) -> Result<PathBuf, String> {
+    if dir.join("kernel").is_dir() && dir.join("modules.builtin").is_file() {
+        return Ok(dir.to_owned());
+    }
+    let root = dir.join("lib/modules");
+    let releases: Vec<PathBuf> = std::fs::read_dir(&root)
+        .map_err(|e| format!("no lib/modules/<release> from `make modules_install INSTALL_MOD_PATH=...` here: {e}"))?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| p.join("kernel").is_dir())
+        .collect();
+    match releases.as_slice() {
+        [one] => Ok(one.clone()),
+        [] => Err("lib/modules has no <release>/kernel directory".into()),
+        many => Err(format!(
+            "lib/modules has {} releases ({}); name one: --modules {}/lib/modules/<release>",
+            many.len(),
+            many.iter().filter_map(|p| p.file_name()).map(|n| n.to_string_lossy()).collect::<Vec<_>>().join(", "),
+            dir.display()
+        )),
+    }
 }
 
 /// Returns the verified .deb of a pinned package, downloading it into the cache if needed.
@@ -203,44 +356,71 @@ pub fn build(
     cache: &Cache,
     progress: &Progress,
 ) -> Result<BuiltImage, ImageError> {
-    let out_dir = cache.image_dir(&recipe.name);
-    let key = cache_key(recipe, extras)?;
+    let custom = Customization { extras: extras.to_vec(), ..Customization::default() };
+    build_custom(recipe, &custom, &recipe.name, cache, progress)
+}
+
+/// Builds (or finds current in the cache) the image `recipe` describes as `custom` changes
+/// it, under the image name `name` (one cache entry per name: a matrix's cells with
+/// different kernels each keep theirs).
+pub fn build_custom(
+    recipe: &Recipe,
+    custom: &Customization,
+    name: &str,
+    cache: &Cache,
+    progress: &Progress,
+) -> Result<BuiltImage, ImageError> {
+    let out_dir = cache.image_dir(name);
+    let kernel_source = custom.kernel.clone().unwrap_or_else(|| KernelSource::Package(recipe.kernel.clone()));
+    let kernel = resolve_kernel(&kernel_source, cache, progress)?;
+    let key = cache_key(recipe, custom, &kernel)?;
     let initramfs = out_dir.join("initramfs.cpio");
     let manifest_path = out_dir.join("manifest.json");
-    let vmlinux = cache.root.join("kernels").join(&recipe.kernel.release).join("vmlinux");
-    if std::fs::read_to_string(out_dir.join("key")).is_ok_and(|k| k == key) && initramfs.exists() && vmlinux.exists() {
+    let vmlinux = kernel.vmlinux.clone();
+    if std::fs::read_to_string(out_dir.join("key")).is_ok_and(|k| k == key) && initramfs.exists() {
         let manifest = std::fs::read(&manifest_path).ok().and_then(|b| serde_json::from_slice(&b).ok());
         if let Some(manifest) = manifest {
             return Ok(BuiltImage { vmlinux, initramfs, manifest, rebuilt: false });
         }
     }
 
-    let kernel_deb = fetch(&recipe.kernel.pin, cache, progress)?;
     let busybox_deb = fetch(&recipe.busybox, cache, progress)?;
     let unpacked = cache.dir("unpacked")?;
-    let kernel_tree = unpacked.join(format!("{}_{}", recipe.kernel.pin.package, recipe.kernel.pin.version));
     let busybox_tree = unpacked.join(format!("{}_{}", recipe.busybox.package, recipe.busybox.version));
-    debian::unpack(&kernel_deb, &kernel_tree, progress)?;
     debian::unpack(&busybox_deb, &busybox_tree, progress)?;
 
-    if !vmlinux.exists() {
-        let bz = kernel_tree.join("boot").join(format!("vmlinuz-{}", recipe.kernel.release));
-        progress(&format!("extracting vmlinux from {}", bz.display()));
-        let data = std::fs::read(&bz).map_err(io(&bz))?;
-        let elf = extract_vmlinux(&data, &bz)?;
-        let dir = vmlinux.parent().unwrap_or(Path::new("."));
-        std::fs::create_dir_all(dir).map_err(io(dir))?;
-        let tmp = vmlinux.with_extension("partial");
-        std::fs::write(&tmp, elf).map_err(io(&tmp))?;
-        std::fs::rename(&tmp, &vmlinux).map_err(io(&vmlinux))?;
-    }
-
-    let index = ModuleIndex::new(&kernel_tree.join("lib/modules").join(&recipe.kernel.release))?;
+    let index = ModuleIndex::new(&kernel.modules_dir)?;
     let required = index.resolve(&recipe.modules.load)?;
     let optional: Vec<_> =
         index.resolve(&recipe.modules.try_load)?.into_iter().filter(|m| !required.contains(m)).collect();
+    let on_demand: Vec<_> = index
+        .resolve(&recipe.modules.on_demand)?
+        .into_iter()
+        .filter(|m| !required.contains(m) && !optional.contains(m))
+        .collect();
+    // Out-of-tree modules: their in-tree dependencies join the required ones.
+    let mut user = Vec::new();
+    for ko in &custom.user_modules {
+        let bad = |reason: String| ImageError::Module { module: ko.display().to_string(), reason };
+        let name = ko
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.strip_suffix(".ko"))
+            .ok_or_else(|| bad("not a .ko file".into()))?
+            .replace('-', "_");
+        user.push(ResolvedModule { name, path: ko.clone() });
+    }
+    let mut required = required;
+    for m in &user {
+        let deps: Vec<String> = kernel::depends(&m.path)?;
+        for d in index.resolve(&deps)? {
+            if !required.contains(&d) {
+                required.push(d);
+            }
+        }
+    }
 
-    progress(&format!("writing the {} initramfs", recipe.name));
+    progress(&format!("writing the {name} initramfs"));
     let mut fs = Initramfs::new();
     for d in ["proc", "sys", "dev", "tmp", "root", "etc", "gdrvm"] {
         fs.dir(d);
@@ -264,18 +444,25 @@ pub fn build(
         }
     }
     let guest_module = |m: &ResolvedModule| format!("/lib/modules/{}.ko", m.name);
-    for m in required.iter().chain(&optional) {
-        fs.file(&guest_module(m), Source::Host(m.path.clone()), 0o644);
+    for m in required.iter().chain(&optional).chain(&on_demand).chain(&user) {
+        let source = if m.path.extension().is_some_and(|x| x == "xz") {
+            Source::Bytes(module_bytes(&m.path)?)
+        } else {
+            Source::Host(m.path.clone())
+        };
+        fs.file(&guest_module(m), source, 0o644);
     }
     let manifest = ImageManifest {
-        name: recipe.name.clone(),
-        kernel_release: recipe.kernel.release.clone(),
+        name: name.to_owned(),
+        kernel_release: kernel.release.clone(),
+        user_modules: user.iter().map(guest_module).collect(),
         modules: required.iter().map(guest_module).collect(),
         optional_modules: optional.iter().map(guest_module).collect(),
+        on_demand_modules: on_demand.iter().map(guest_module).collect(),
     };
     let manifest_json = serde_json::to_vec_pretty(&manifest).unwrap_or_default();
     fs.file(IMAGE_MANIFEST_PATH, Source::Bytes(manifest_json.clone()), 0o644);
-    for extra in extras {
+    for extra in &custom.extras {
         fs.file(&extra.guest_path, extra.source.clone(), extra.mode);
     }
     std::fs::create_dir_all(&out_dir).map_err(io(&out_dir))?;
@@ -336,4 +523,30 @@ fn busybox_applets(busybox: &Path) -> Result<Vec<String>, ImageError> {
 /// The recipes shipped in the repository.
 pub fn recipes_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("recipes")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn release_tree(root: &Path, release: &str) -> PathBuf {
+        let dir = root.join("lib/modules").join(release);
+        std::fs::create_dir_all(dir.join("kernel")).unwrap();
+        std::fs::write(dir.join("modules.builtin"), "").unwrap();
+        dir
+    }
+
+    #[test]
+    fn test_built_modules_dir_finds_the_release_under_install_mod_path() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = release_tree(tmp.path(), "6.13.0-rc1+");
+        assert_eq!(built_modules_dir(tmp.path()).unwrap(), dir);
+        assert_eq!(built_modules_dir(&dir).unwrap(), dir, "the release directory itself");
+        release_tree(tmp.path(), "6.12.0");
+        let e = built_modules_dir(tmp.path()).unwrap_err();
+        assert!(e.contains("2 releases") && e.contains("6.12.0") && e.contains("6.13.0-rc1+"), "{e}");
+        let empty = tempfile::tempdir().unwrap();
+        let e = built_modules_dir(empty.path()).unwrap_err();
+        assert!(e.contains("modules_install"), "{e}");
+    }
 }

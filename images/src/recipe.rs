@@ -39,6 +39,10 @@ pub struct Modules {
     /// Loaded if they can be (hardware-specific).
     #[serde(default, rename = "try")]
     pub try_load: Vec<String>,
+    /// In the image but loaded only by the suites that need them (soft-RoCE: `rdma_rxe`),
+    /// so that other boots do not pay for them.
+    #[serde(default)]
+    pub on_demand: Vec<String>,
 }
 
 /// A package some of whose files go into the image at the same paths (symlinks kept, their
