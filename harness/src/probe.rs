@@ -76,6 +76,7 @@ async fn probe(artifacts: &Artifacts) -> (bool, String) {
         vmm: Vmm::Gdrvm,
         image: artifacts.guest.clone(),
         node: None,
+        cluster: None,
         cmdline: "console=ttyS0 quiet panic=-1 gdrvm.suites=".into(),
         cpus: 1,
         memory: "256M".into(),

@@ -20,6 +20,8 @@ pub mod exit {
 
 /// The kernel's message when it panics.
 const PANIC_MARKER: &str = "Kernel panic - not syncing";
+/// What gdrvm logs when the guest triple-faults (vmm/src/vcpu.rs).
+const TRIPLE_FAULT: &str = "triple fault: the guest resets";
 /// Console lines kept for a panic or hang report.
 pub const TAIL_LINES: usize = 40;
 
@@ -178,11 +180,41 @@ impl VmResult {
             .unwrap_or_default()
     }
 
-    /// The guest reset (gdrvm exit 1, no status) before the agent printed anything and
-    /// without a kernel panic on the console: a triple fault in early boot. Seen only in
-    /// nested runs under QEMU TCG, intermittently; the nested runner runs such a guest again.
+    /// The guest reset (gdrvm exit 1, no status) without a kernel panic on the console,
+    /// either before the agent printed anything or by a triple fault the VMM saw: the
+    /// guest's CPU state went bad with no oops, the way nested runs under QEMU TCG now and
+    /// then lose a guest (early in boot, and, rarely, under heavy interrupt traffic). The
+    /// nested runner runs such a guest again, once, and keeps the first run's end.
+    ///
+    /// In a cluster run (consoles prefixed `[node] `), one node's guest doing so counts too.
     pub fn silent_reset(&self) -> bool {
-        self.outcome == VmOutcome::Exited(1) && !self.panicked && self.time_to_ktap.is_none()
+        if self.outcome != VmOutcome::Exited(1) {
+            return false;
+        }
+        let triple = |line: &str| line.contains(TRIPLE_FAULT);
+        if !self.panicked && (self.time_to_ktap.is_none() || self.console.iter().any(|l| triple(l))) {
+            return true;
+        }
+        #[derive(Default)]
+        struct Node {
+            reset: bool,
+            spoke: bool,
+            panicked: bool,
+            triple: bool,
+        }
+        let mut nodes: std::collections::BTreeMap<&str, Node> = Default::default();
+        for line in &self.console {
+            let Some((node, rest)) = line.strip_prefix('[').and_then(|l| l.split_once("] ")) else { continue };
+            if node.is_empty() || !node.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-') {
+                continue;
+            }
+            let n = nodes.entry(node).or_default();
+            n.reset |= rest == gdrvm_model::GUEST_RESET_LINE;
+            n.spoke |= rest.trim_start() == "KTAP version 1";
+            n.panicked |= rest.contains(PANIC_MARKER);
+            n.triple |= triple(rest);
+        }
+        nodes.values().any(|n| n.reset && !n.panicked && (!n.spoke || n.triple))
     }
 
     /// The last [`TAIL_LINES`] console lines.
@@ -202,8 +234,39 @@ mod tests {
     const PASSING: &str = "KTAP version 1\n1..1\n    1..1\n    ok 1 a\nok 1 smoke";
 
     #[test]
+    fn test_a_triple_fault_without_a_panic_counts_at_any_point() {
+        let mut single =
+            result(VmOutcome::Exited(1), "KTAP version 1\n WARN gdrvm::vcpu: triple fault: the guest resets id=0");
+        single.time_to_ktap = Some(Duration::from_secs(9));
+        assert!(single.silent_reset());
+        let mut cluster = result(
+            VmOutcome::Exited(1),
+            "[a] KTAP version 1\n[a] # tcp_stream\n[a] WARN gdrvm::vcpu: triple fault: the guest resets id=0\n\
+             [a] gdrvm: the guest reset without reporting a status\n[b] KTAP version 1\nKTAP version 1",
+        );
+        cluster.time_to_ktap = Some(Duration::from_secs(9));
+        assert!(cluster.silent_reset());
+        // A kernel panic first is the guest's own failure.
+        let console =
+            cluster.console.join("\n").replacen("[a] # tcp_stream", "[a] Kernel panic - not syncing: oops", 1);
+        let mut panicked = result(VmOutcome::Exited(1), &console);
+        panicked.time_to_ktap = Some(Duration::from_secs(9));
+        assert!(!panicked.silent_reset());
+    }
+
+    #[test]
     fn test_silent_reset_only_without_output_or_panic() {
         assert!(result(VmOutcome::Exited(1), "gdrvm: the guest reset without reporting a status").silent_reset());
+        // A cluster: node b vanished before its agent spoke, node a reported.
+        let mut cluster = result(
+            VmOutcome::Exited(1),
+            "[a] KTAP version 1\n[a] ok 1 rdma\n[b] gdrvm: the guest reset without reporting a status\nKTAP version 1",
+        );
+        cluster.time_to_ktap = Some(Duration::from_secs(9));
+        assert!(cluster.silent_reset());
+        // ...but a node that reset after its agent spoke failed for real.
+        cluster.console.insert(0, "[b] KTAP version 1".into());
+        assert!(!cluster.silent_reset());
         let panicked = "Kernel panic - not syncing: VFS: Unable to mount root fs\ngdrvm: the guest reset";
         assert!(!result(VmOutcome::Exited(1), panicked).silent_reset());
         assert!(!result(VmOutcome::Exited(0), "").silent_reset());

@@ -85,7 +85,8 @@ impl Runner {
 
     async fn run_native(&self, spec: &VmSpec) -> Result<VmResult, HarnessError> {
         let started = Instant::now();
-        let files = (spec.image.kernel.as_path(), spec.image.initrd.as_path(), spec.node.as_deref());
+        let node = spec.cluster.as_ref().map(|c| c.cluster.as_str()).or(spec.node.as_deref());
+        let files = (spec.image.kernel.as_path(), spec.image.initrd.as_path(), node);
         let (program, args) = spec.command_line(&self.artifacts.gdrvm, files, false);
         let mut cmd = Command::new(&program);
         cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());

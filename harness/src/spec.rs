@@ -50,6 +50,9 @@ pub struct VmSpec {
     pub image: BootImage,
     /// Node description for gdrvm's `--node`: a preset name or a node file.
     pub node: Option<String>,
+    /// A cluster instead of one node: `gdrvm cluster up` boots its nodes, each with this
+    /// spec's image, command line and size, and reports one KTAP subtest per node.
+    pub cluster: Option<ClusterSpec>,
     /// Kernel command line.
     pub cmdline: String,
     /// vCPUs.
@@ -60,10 +63,21 @@ pub struct VmSpec {
     pub timeout: Duration,
 }
 
+/// A cluster run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterSpec {
+    /// A cluster preset or a cluster file (whose node files are presets or absolute paths).
+    pub cluster: String,
+    /// `NODE:TEXT`: kill that node's VMM when its console shows TEXT.
+    pub kill: Option<String>,
+    /// Run the nodes with QEMU (`gdrvm cluster up --qemu`), the benchmarks' reference.
+    pub qemu: bool,
+}
+
 impl VmSpec {
     /// The program and arguments that boot this VM; `gdrvm` is where gdrvm is.
-    /// `node` is where the node description is for the VMM (a preset name, or the file's
-    /// path as the VMM sees it).
+    /// `node` is where the node description (or, for a cluster, the cluster description)
+    /// is for the VMM (a preset name, or the file's path as the VMM sees it).
     pub(crate) fn command_line(
         &self,
         gdrvm: &Path,
@@ -71,6 +85,18 @@ impl VmSpec {
         interactive: bool,
     ) -> (PathBuf, Vec<String>) {
         match self.vmm {
+            Vmm::Gdrvm if self.cluster.is_some() => {
+                let cluster = self.cluster.as_ref().map(|c| (c.cluster.clone(), c.kill.clone())).unwrap_or_default();
+                let mut args = vec!["cluster".to_owned(), "up".into(), node.unwrap_or(&cluster.0).to_owned()];
+                args.extend(self.gdrvm_args(kernel, initrd));
+                if let Some(kill) = cluster.1 {
+                    args.extend(["--kill".to_owned(), kill]);
+                }
+                if self.uses_qemu() {
+                    args.extend(["--qemu".to_owned(), QEMU_PATH.to_owned()]);
+                }
+                (gdrvm.to_owned(), args)
+            }
             Vmm::Gdrvm => {
                 let mut args = vec!["run".to_owned()];
                 args.extend(self.gdrvm_args(kernel, initrd));
@@ -148,6 +174,20 @@ impl VmSpec {
             return Err(format!("cpus {} is out of range: 1 to {}", self.cpus, gdrvm_model::MAX_GUEST_CPUS));
         }
         Ok(())
+    }
+
+    /// Whether QEMU runs this spec's guests (the VMM, or a cluster's nodes).
+    pub(crate) fn uses_qemu(&self) -> bool {
+        matches!(self.vmm, Vmm::Qemu(_)) || self.cluster.as_ref().is_some_and(|c| c.qemu)
+    }
+
+    /// Guest RAM of all the VMs this spec runs at once (every node of a cluster).
+    pub(crate) fn guest_memory_mib(&self) -> u64 {
+        let guests = self
+            .cluster
+            .as_ref()
+            .map_or(1, |c| gdrvm_model::cluster::Cluster::resolve(&c.cluster).map_or(2, |c| c.nodes.len() as u64));
+        self.memory_mib() * guests
     }
 
     pub(crate) fn memory_mib(&self) -> u64 {
