@@ -292,6 +292,7 @@ mod tests {
             cpus: 1,
             memory: 64 * MIB,
             node: gdrvm_model::node::Node::plain(1, 64 * MIB),
+            wires: Default::default(),
         }
     }
 

@@ -81,6 +81,8 @@ pub struct VmConfig {
     /// The node: NUMA nodes (their CPUs and memory add up to `cpus` and `memory`) and the
     /// PCIe tree. [`Node::plain`] when no node description was given.
     pub node: Node,
+    /// The wire each virtio-net endpoint joins, by endpoint name.
+    pub wires: std::collections::BTreeMap<String, gdrvm_devices::net::WireSpec>,
 }
 
 impl VmConfig {
@@ -156,6 +158,7 @@ mod tests {
             cpus: 1,
             memory: 1 << 20,
             node: Node::plain(1, 64 << 20),
+            wires: Default::default(),
         };
         assert_eq!(cfg.validate(), Err(ConfigError::MemoryOutOfRange(1 << 20)));
         cfg.memory = 256 << 20;

@@ -136,7 +136,7 @@ mod tests {
     use super::*;
 
     fn expect() -> Expectations {
-        Expectations { cpus: 2, memory_bytes: 1 << 30, numa: vec![], pci: vec![], paths: vec![] }
+        Expectations { cpus: 2, memory_bytes: 1 << 30, numa: vec![], pci: vec![], paths: vec![], host: false }
     }
 
     #[test]

@@ -4,6 +4,7 @@
 pub mod acpi;
 pub mod bios;
 pub mod boot;
+pub mod cluster;
 pub mod config;
 mod console;
 pub mod cpu_topology;
@@ -12,6 +13,7 @@ pub mod irq;
 pub mod machine;
 pub mod memory;
 pub mod pci;
+pub mod signals;
 pub mod vcpu;
 pub mod wiring;
 

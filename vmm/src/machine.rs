@@ -2,9 +2,8 @@
 //! an event loop that feeds the console, watches for guest power-off and host signals, and
 //! tears everything down on every path.
 
-use std::fs::File;
-use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, RawFd};
+use std::io::Write;
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
@@ -30,6 +29,7 @@ use crate::console::{EscapeFilter, InputAction, RawTerminal};
 use crate::cpu_topology::CpuPlace;
 use crate::irq::{GsiRouter, IrqError};
 use crate::pci::{ConfigIo, Ecam, PciSegment, CONFIG_IO_LEN, CONFIG_IO_PORT};
+use crate::signals::StopSignals;
 use crate::vcpu::{self, ExitContext, VcpuError};
 use crate::{acpi, bios, boot, cpu_topology, initrd, memory, wiring};
 
@@ -154,7 +154,7 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
     let expect = Expectations::new(config.cpus, config.memory, &config.node);
     let initrd = config.initrd.as_deref().map(|path| initrd::build(path, &expect)).transpose()?;
     // Host signals are read from a signalfd; block them before any thread starts.
-    let signals = SignalFd::new()?;
+    let signals = StopSignals::new().map_err(host("block SIGINT, SIGTERM and SIGHUP into a signalfd"))?;
     let (kvm_sys, vm) = create_vm()?;
     let irq = interrupt_routing(&vm)?;
     let ram = memory::create(config.memory)?;
@@ -347,8 +347,12 @@ fn wire_devices(
             file,
         });
     }
-    let prestarted = wiring::Prestarted::start(&config.node)?;
-    let open = |node: &gdrvm_model::node::Node, i| wiring::open_backing_prestarted(&prestarted, node, i);
+    let backings = wiring::Backings {
+        prestarted: wiring::Prestarted::start(&config.node)?,
+        memory: ram.memory.clone(),
+        wires: config.wires.clone(),
+    };
+    let open = |node: &gdrvm_model::node::Node, i| wiring::open_backing(&backings, node, i);
     let (devices, functions) = wiring::DeviceWiring::new(&config.node, parts, &regions, &open)?;
     let pci = Arc::new(PciSegment::with_functions(&config.node, functions));
     let sink: Arc<dyn crate::pci::ApplyEffects> = devices.clone();
@@ -466,54 +470,6 @@ enum StopCause {
     Interrupted,
 }
 
-/// A signalfd for SIGINT, SIGTERM and SIGHUP, which are blocked for the whole process
-/// while it exists so that they arrive here instead of killing the VMM mid-teardown.
-struct SignalFd {
-    file: File,
-    previous: libc::sigset_t,
-}
-
-impl SignalFd {
-    fn new() -> Result<SignalFd, VmmError> {
-        // SAFETY: sigset_t is plain data; sigemptyset initializes it before use.
-        let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
-        // SAFETY: as above; `previous` is written by pthread_sigmask.
-        let mut previous: libc::sigset_t = unsafe { std::mem::zeroed() };
-        // SAFETY: `set` is a valid sigset_t owned by this frame; the signal numbers are valid.
-        unsafe {
-            libc::sigemptyset(&mut set);
-            for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
-                libc::sigaddset(&mut set, sig);
-            }
-        }
-        // SAFETY: blocks signals for this thread (and threads it starts); both sets are valid.
-        let rc = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, &mut previous) };
-        if rc != 0 {
-            return Err(host("block signals")(std::io::Error::from_raw_os_error(rc)));
-        }
-        // SAFETY: creates a new descriptor from a valid set; the result is checked.
-        let fd = unsafe { libc::signalfd(-1, &set, libc::SFD_NONBLOCK | libc::SFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(host("create a signalfd")(std::io::Error::last_os_error()));
-        }
-        // SAFETY: `fd` is a fresh descriptor owned by nothing else.
-        Ok(SignalFd { file: unsafe { File::from_raw_fd(fd) }, previous })
-    }
-}
-
-impl Drop for SignalFd {
-    fn drop(&mut self) {
-        // SAFETY: restores the mask saved in `new`.
-        unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &self.previous, std::ptr::null_mut()) };
-    }
-}
-
-impl AsRawFd for SignalFd {
-    fn as_raw_fd(&self) -> RawFd {
-        self.file.as_raw_fd()
-    }
-}
-
 /// Feeds the host's standard input to the guest's serial port, pausing while the receive
 /// FIFO is full and resuming when the guest drains it.
 struct ConsoleInput {
@@ -544,7 +500,7 @@ impl ConsoleInput {
 struct Supervisor {
     exit_evt: EventFd,
     vcpu_done: EventFd,
-    signals: SignalFd,
+    signals: StopSignals,
     input: Option<ConsoleInput>,
     stop: Option<StopCause>,
 }
@@ -574,8 +530,7 @@ impl MutEventSubscriber for Supervisor {
             let _ = self.vcpu_done.read();
             self.stop.get_or_insert(StopCause::VcpuExited);
         } else if fd == self.signals.as_raw_fd() {
-            let mut info = [0u8; std::mem::size_of::<libc::signalfd_siginfo>()];
-            let _ = self.signals.file.read(&mut info);
+            self.signals.take();
             self.stop.get_or_insert(StopCause::Interrupted);
         } else if let Some(input) = self.input.as_mut() {
             if fd == input.drained.as_raw_fd() {

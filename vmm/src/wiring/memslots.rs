@@ -10,7 +10,8 @@ use std::sync::Mutex;
 
 use gdrvm_devices::lock;
 use kvm_bindings::kvm_userspace_memory_region;
-use kvm_ioctls::VmFd;
+use kvm_ioctls::{IoEventAddress, NoDatamatch, VmFd};
+use vmm_sys_util::eventfd::EventFd;
 
 /// First slot for device memory: guest RAM takes the slots below.
 const FIRST_DEVICE_SLOT: u32 = 16;
@@ -120,7 +121,8 @@ impl Drop for DeviceMemory {
     }
 }
 
-/// What KVM offers for guest memory: KVM_SET_USER_MEMORY_REGION (a fake in tests).
+/// What KVM offers for guest memory: KVM_SET_USER_MEMORY_REGION, and ioeventfds for
+/// doorbells in device memory (a fake in tests).
 pub trait MemorySink: Send + Sync {
     /// Adds, moves or (with size 0) removes a memory slot.
     ///
@@ -128,12 +130,25 @@ pub trait MemorySink: Send + Sync {
     /// `region.userspace_addr` must stay mapped for `region.memory_size` bytes until the
     /// slot is removed.
     unsafe fn set_region(&self, region: kvm_userspace_memory_region) -> Result<(), kvm_ioctls::Error>;
+    /// Makes guest writes of any size and value to MMIO address `gpa` signal `fd` in the
+    /// kernel, without an exit to the VMM (or, with `on` false, stops that).
+    fn ioevent(&self, fd: &EventFd, gpa: u64, on: bool) -> Result<(), kvm_ioctls::Error>;
 }
 
 impl MemorySink for VmFd {
     unsafe fn set_region(&self, region: kvm_userspace_memory_region) -> Result<(), kvm_ioctls::Error> {
         // SAFETY: the caller keeps the memory mapped while the slot exists.
         unsafe { self.set_user_memory_region(region) }
+    }
+
+    fn ioevent(&self, fd: &EventFd, gpa: u64, on: bool) -> Result<(), kvm_ioctls::Error> {
+        // NoDatamatch has no size: KVM matches a write of any length (KVM_CAP_IOEVENTFD_ANY_LENGTH).
+        let at = IoEventAddress::Mmio(gpa);
+        if on {
+            self.register_ioevent(fd, &at, NoDatamatch)
+        } else {
+            self.unregister_ioevent(fd, &at, NoDatamatch)
+        }
     }
 }
 

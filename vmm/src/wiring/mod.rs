@@ -22,15 +22,18 @@ mod msix;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
+use gdrvm_devices::net::{self, WireSpec};
 use gdrvm_devices::pci_regs::{PCI_COMMAND, PCI_COMMAND_MEMORY};
 use gdrvm_devices::vfio_user::{self, UserConnection, UserDeviceOps, UserDmaTarget};
+use gdrvm_devices::virtio::VirtioNet;
 use gdrvm_devices::{
     lock, BarInfo, BarMapping, Bus, ConfigOwnership, ConfigWriteEffects, DeviceId, DmaRegion, DmaSpace, DmaTarget,
-    MsiCapability, MsiEvent, Owner, PciDevice,
+    IoEvent, MsiCapability, MsiEvent, Owner, PciDevice,
 };
 use gdrvm_devices::{open_container, ConfigWrites, VfioDmaTarget, VfioOptions, VfioPciDevice};
 use gdrvm_model::host_pci::HostPci;
 use gdrvm_model::node::{Backing, Node};
+use vm_memory::GuestMemoryMmap;
 
 use crate::irq::{GsiRouter, IntxLine, IrqError};
 use crate::pci::{ApplyEffects, Backend, ConfigSpace, PciFunction, PciSegment};
@@ -93,6 +96,8 @@ struct Placed {
     /// Long runs given to KVM a chunk at a time, and the slots they added.
     lazy: Vec<Arc<Mutex<LazySlots>>>,
     dma: Vec<u64>,
+    /// Doorbells registered with KVM: index into [`Wired::ioevents`] and address.
+    ioevents: Vec<(usize, u64)>,
 }
 
 /// A function with a device behind it. Fields drop in order: the device's mappings and
@@ -107,6 +112,8 @@ struct Wired {
     bars: Vec<BarInfo>,
     msix: Option<Arc<MsixState>>,
     msi: Option<MsiState>,
+    /// The device's doorbells, registered with KVM while their BAR is placed.
+    ioevents: Vec<IoEvent>,
     /// The device's INTx line, connected while neither MSI nor MSI-X is on.
     intx: Option<IntxLine>,
     device: Arc<Mutex<dyn PciDevice>>,
@@ -201,11 +208,22 @@ impl Prestarted {
     }
 }
 
+/// What opening backings needs beyond the node: the emulators already started, guest RAM
+/// (virtio devices in the VMM reach it directly) and the wire each virtio-net NIC joins.
+pub struct Backings {
+    /// Emulators started ahead.
+    pub prestarted: Prestarted,
+    /// Guest RAM.
+    pub memory: GuestMemoryMmap,
+    /// Wires by endpoint name; a virtio-net endpoint not named has no link.
+    pub wires: BTreeMap<String, WireSpec>,
+}
+
 /// Opens the backing of function `i` of `node`: for `vfio:<BDF>`, the host device in a
 /// VFIO container of its own (its DMA target); for `vfio-user:<socket>`, the server
-/// listening there; for an emulated backing, its emulator from `prestarted` (or started
-/// now).
-pub fn open_backing_prestarted(prestarted: &Prestarted, node: &Node, i: usize) -> Result<Option<Opened>, String> {
+/// listening there; for an emulated backing, its emulator (prestarted, or started now);
+/// for `virtio-net`, the device in the VMM on its wire.
+pub fn open_backing(backings: &Backings, node: &Node, i: usize) -> Result<Option<Opened>, String> {
     let f = &node.functions[i];
     match &f.backing {
         Backing::None => Ok(None),
@@ -215,12 +233,23 @@ pub fn open_backing_prestarted(prestarted: &Prestarted, node: &Node, i: usize) -
             open_vfio_user(&f.key, conn, None).map(Some)
         }
         Backing::EmulatedGpu | Backing::EmulatedNic => {
-            let (emulator, stream) = match lock(&prestarted.0).remove(&i) {
+            let (emulator, stream) = match lock(&backings.prestarted.0).remove(&i) {
                 Some(started) => started,
                 None => Emulator::start(node, i)?,
             };
             let conn = UserConnection::new(&f.key, stream, vfio_user::DEFAULT_TIMEOUT).map_err(|e| e.to_string())?;
             open_vfio_user(&f.key, conn, Some(emulator)).map(Some)
+        }
+        Backing::VirtioNet => {
+            let params = f.net.ok_or_else(|| "virtio-net without MAC and MTU (a model bug)".to_owned())?;
+            let port = match backings.wires.get(&f.name) {
+                Some(spec) => Some(net::open(spec, params.mac).map_err(|e| format!("wire {spec}: {e}"))?),
+                None => None,
+            };
+            let device =
+                VirtioNet::new(&f.key, ConfigSpace::for_function(node, i), params, backings.memory.clone(), port)
+                    .map_err(|e| format!("virtio-net: {e}"))?;
+            Ok(Some(Opened { device: Arc::new(Mutex::new(device)), dma: None, process: None }))
         }
     }
 }
@@ -348,6 +377,7 @@ impl DeviceWiring {
             slots: Vec::new(),
             lazy: Vec::new(),
             dma: Vec::new(),
+            ioevents: Vec::new(),
         };
         let mut holes = match &bar.mapping {
             BarMapping::Mapped { holes, .. } => holes.clone(),
@@ -402,6 +432,14 @@ impl DeviceWiring {
                 }
             }
         }
+        for (n, event) in w.ioevents.iter().enumerate().filter(|(_, e)| e.bar == index && e.offset < bar.size) {
+            let gpa = address + event.offset;
+            match self.parts.memory.ioevent(&event.fd, gpa, true) {
+                Ok(()) => placed.ioevents.push((n, gpa)),
+                // The trap still takes the write, an exit each.
+                Err(e) => tracing::warn!("{}: BAR {index}: doorbell at {gpa:#x}: {e}", w.key),
+            }
+        }
         tracing::debug!(function = %w.key, bar = index, address = format_args!("{address:#x}"), "BAR placed");
         w.placed.insert(index, placed);
     }
@@ -439,6 +477,13 @@ impl DeviceWiring {
     /// Removes BAR `index` of `w` from the guest.
     fn unplace(&self, w: &mut Wired, index: u8) {
         let Some(placed) = w.placed.remove(&index) else { return };
+        for (n, gpa) in placed.ioevents {
+            if let Some(event) = w.ioevents.get(n) {
+                if let Err(e) = self.parts.memory.ioevent(&event.fd, gpa, false) {
+                    tracing::warn!("{}: BAR {index}: doorbell at {gpa:#x}: {e}", w.key);
+                }
+            }
+        }
         for gpa in placed.dma {
             if let Err(e) = lock(&self.dma).remove_region(Some(w.id), gpa) {
                 tracing::warn!("{}: BAR {index}: DMA space: {e}", w.key);
@@ -473,9 +518,9 @@ fn wire_device(
     irq: &Arc<GsiRouter>,
 ) -> Result<(PciFunction, Wired), WiringError> {
     let f = &node.functions[i];
-    let (mut bars, layout, msi_info, pin) = {
+    let (mut bars, layout, msi_info, pin, ioevents) = {
         let d = lock(&device);
-        (d.bars(), d.msix(), d.msi(), d.intx_pin())
+        (d.bars(), d.msix(), d.msi(), d.intx_pin(), d.ioeventfds())
     };
     if f.trap_bars {
         for bar in &mut bars {
@@ -537,6 +582,7 @@ fn wire_device(
         bars,
         msix,
         msi,
+        ioevents,
         intx,
         device,
     };

@@ -32,6 +32,8 @@ struct Seen {
     /// GSIs resampling irqfds were registered on.
     intx_gsis: Vec<u32>,
     dma: Vec<(bool, u64, u64)>,
+    /// ioeventfds registered (true) or removed (false), by address.
+    ioevents: Vec<(u64, bool)>,
 }
 
 type Shared = Arc<Mutex<Seen>>;
@@ -41,6 +43,11 @@ struct FakeKvm(Shared);
 impl MemorySink for FakeKvm {
     unsafe fn set_region(&self, region: kvm_userspace_memory_region) -> Result<(), kvm_ioctls::Error> {
         lock(&self.0).slots.push(region);
+        Ok(())
+    }
+
+    fn ioevent(&self, _fd: &vmm_sys_util::eventfd::EventFd, gpa: u64, on: bool) -> Result<(), kvm_ioctls::Error> {
+        lock(&self.0).ioevents.push((gpa, on));
         Ok(())
     }
 }
