@@ -49,3 +49,42 @@ fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<Option<T>, S
         Err(e) => Err(format!("{}: {e}", path.display())),
     }
 }
+
+/// Test fixture: the expectation of endpoint `name` of `kind` ("gpu", "nic") at `bdf` with
+/// vendor and device `ids`: class by kind, MSI-X, no BARs, link or backing; tests set the
+/// rest with struct update syntax.
+#[cfg(test)]
+pub fn expected_function(name: &str, kind: &str, bdf: &str, ids: (u16, u16)) -> gdrvm_model::PciExpectation {
+    gdrvm_model::PciExpectation {
+        name: name.into(),
+        kind: kind.into(),
+        bdf: bdf.into(),
+        parents: vec![],
+        vendor: ids.0,
+        device: ids.1,
+        class: if kind == "nic" { 0x02_00_00 } else { 0x03_02_00 },
+        subsystem: None,
+        numa_node: 0,
+        link: None,
+        acs: false,
+        acs_control: 0,
+        ats: false,
+        msix: true,
+        bars: vec![],
+        backing: "none".into(),
+        p2p: true,
+    }
+}
+
+/// Test fixture: a context reading sysfs under `root`, whose VMM expects 1 vCPU, 1 GiB and
+/// the functions `pci`; no image manifest, an empty kernel log.
+#[cfg(test)]
+pub fn test_context(root: &Path, pci: Vec<gdrvm_model::PciExpectation>) -> Context {
+    Context {
+        expect: Some(Expectations { cpus: 1, memory_bytes: 1 << 30, numa: vec![], pci, paths: vec![], host: false }),
+        image: None,
+        root: root.to_owned(),
+        kernel_log: Ok(String::new()),
+        module_errors: vec![],
+    }
+}

@@ -51,6 +51,13 @@ pub fn run() -> ! {
     let status = match Context::load(Path::new("/"), Ok(String::new()), Vec::new()) {
         Ok(ctx) => {
             let module_errors = load_modules(&ctx);
+            if let Err(why) = load_user_modules(&ctx) {
+                // What the user's driver was to be tested by cannot run: 125, as `git
+                // bisect run` reads it (skip this commit), with the kernel's words.
+                println!("# gdrvm-agent: cannot test: {why}");
+                println!("KTAP version 1\n1..0 # SKIP {why}");
+                finish(CANNOT_TEST);
+            }
             if opts.l1 {
                 crate::l1::run()
             } else if opts.shell {
@@ -107,6 +114,30 @@ fn load_modules(ctx: &Context) -> Vec<String> {
         println!("# gdrvm-agent: {e} (optional)");
     }
     errors
+}
+
+/// Exit status of a guest that cannot test (the harness's and `git bisect run`'s 125).
+const CANNOT_TEST: u8 = 125;
+
+/// Loads the user's out-of-tree modules (`--module-src`) after the image's own; the first
+/// that fails is the error, with what the kernel logged about it.
+fn load_user_modules(ctx: &Context) -> Result<(), String> {
+    let Some(image) = &ctx.image else { return Ok(()) };
+    let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
+    for m in &image.user_modules {
+        let name = Path::new(m).file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        if let Err(e) = sys::load_module(Path::new(m), &module_params(&cmdline, &name)) {
+            let log = sys::kernel_log().unwrap_or_default();
+            let said: Vec<&str> = log.lines().filter(|l| l.contains(&name)).collect();
+            let said = said.iter().rev().take(3).rev().map(|l| l.trim()).collect::<Vec<_>>().join(" | ");
+            return Err(format!(
+                "module {name} does not load: {e}{}",
+                if said.is_empty() { String::new() } else { format!("; the kernel said: {said}") }
+            ));
+        }
+        println!("# gdrvm-agent: loaded {m}");
+    }
+    Ok(())
 }
 
 fn shell() -> u8 {

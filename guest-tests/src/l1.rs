@@ -153,6 +153,11 @@ fn run_relayed(i: usize, job: &L1Job) -> std::io::Result<Option<i32>> {
         // SAFETY: kill touches no memory of ours; `pid` is a process this agent outlives.
         unsafe { libc::kill(pid, libc::SIGKILL) };
     }
+    // Nor files: wire sockets and directories of a cluster, temporary files of a VMM.
+    for path in leftover_files(Path::new(SCRATCH_DIR)) {
+        println!("{prefix}{LEFT_BEHIND} file {}", path.display());
+        let _ = std::fs::remove_dir_all(&path).or_else(|_| std::fs::remove_file(&path));
+    }
     // The relays end when the job's pipes close; a job stuck past SIGKILL keeps them open,
     // so its relays are left running rather than waited for.
     if matches!(result, Ok(Some(_))) {
@@ -161,6 +166,16 @@ fn run_relayed(i: usize, job: &L1Job) -> std::io::Result<Option<i32>> {
         }
     }
     result
+}
+
+/// Where L1's jobs may leave temporary files (empty before each job).
+const SCRATCH_DIR: &str = "/tmp";
+
+/// What sits in `dir` (L1 keeps nothing there between jobs).
+fn leftover_files(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut found: Vec<_> = std::fs::read_dir(dir).into_iter().flatten().filter_map(|e| Some(e.ok()?.path())).collect();
+    found.sort();
+    found
 }
 
 /// User processes other than this agent (L1 runs nothing else between jobs): pid and

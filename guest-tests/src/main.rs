@@ -9,6 +9,7 @@ mod init;
 mod ktap;
 mod l1;
 mod mapping;
+mod net;
 mod packet;
 mod pcidev;
 mod suites;
@@ -33,6 +34,11 @@ enum Command {
         /// Suites to run (`all` for every suite).
         #[arg(required = true)]
         suites: Vec<String>,
+        /// Check this machine against a node file (a preset name, or `gdrvm topology
+        /// capture`'s output): its whole CPUs and memory, NUMA layout and PCI tree, as a
+        /// guest booted on it is checked.
+        #[arg(long)]
+        node: Option<String>,
     },
     /// List the suites.
     List,
@@ -49,15 +55,28 @@ fn main() -> ExitCode {
             }
             ExitCode::SUCCESS
         }
-        Command::Run { suites: names } => {
+        Command::Run { suites: names, node } => {
             let names: Vec<String> = if names.iter().any(|n| n == "all") {
                 suites::ALL.iter().map(|s| s.to_string()).collect()
             } else {
                 names
             };
             let kernel_log = sys::kernel_log().map_err(|e| e.to_string());
+            let expect = match node.as_deref().map(gdrvm_model::node::Node::resolve).transpose() {
+                Ok(node) => node.map(|n| gdrvm_model::Expectations {
+                    host: true,
+                    ..gdrvm_model::Expectations::new(n.cpus(), n.memory(), &n)
+                }),
+                Err(e) => {
+                    eprintln!("gdrvm-agent: {e}");
+                    return ExitCode::from(2);
+                }
+            };
             match context::Context::load(Path::new("/"), kernel_log, Vec::new()) {
-                Ok(ctx) => ExitCode::from(init::report(&names, &ctx)),
+                Ok(ctx) => {
+                    let ctx = context::Context { expect: expect.or(ctx.expect), ..ctx };
+                    ExitCode::from(init::report(&names, &ctx))
+                }
                 Err(e) => {
                     eprintln!("gdrvm-agent: {e}");
                     ExitCode::from(125)

@@ -342,6 +342,92 @@ impl Mapped for MappedBar {
     }
 }
 
+/// What an unprivileged reader gets of sysfs `config`: the header only.
+pub const CONFIG_HEADER_LEN: usize = 64;
+/// Capability pointer in the configuration header.
+pub const CAP_POINTER: usize = 0x34;
+/// Status register byte holding "capabilities list".
+pub const STATUS_LOW: usize = 0x06;
+/// Status: the function has a capabilities list.
+pub const STATUS_CAP_LIST: u8 = 0x10;
+/// Where extended capabilities start.
+pub const EXT_CAP_START: usize = 0x100;
+/// ACS and ATS both keep their control register here, from the capability's header.
+pub const EXT_CAP_CONTROL: usize = 6;
+
+/// The offset of standard capability `id` in raw configuration space `config` (sysfs
+/// `config`), or `None`. A looping or truncated list ends the walk.
+pub fn find_capability(config: &[u8], id: u8) -> Option<usize> {
+    if config.get(STATUS_LOW)? & STATUS_CAP_LIST == 0 {
+        return None;
+    }
+    let mut at = usize::from(config.get(CAP_POINTER)? & 0xfc);
+    for _ in 0..48 {
+        if at < CONFIG_HEADER_LEN {
+            return None;
+        }
+        if *config.get(at)? == id {
+            return Some(at);
+        }
+        at = usize::from(config.get(at + 1)? & 0xfc);
+    }
+    None
+}
+
+/// The offset of extended capability `id` in `config`, or `None` (also when `config` has
+/// no extended space: an unprivileged read, or conventional PCI).
+pub fn find_ext_capability(config: &[u8], id: u16) -> Option<usize> {
+    let mut at = EXT_CAP_START;
+    for _ in 0..(4096 - EXT_CAP_START) / 8 {
+        let header = u32::from_le_bytes(config.get(at..at + 4)?.try_into().ok()?);
+        if header == 0 || header == u32::MAX {
+            return None;
+        }
+        if header & 0xffff == u32::from(id) {
+            return Some(at);
+        }
+        at = (header >> 20) as usize & 0xffc;
+        if at < EXT_CAP_START {
+            return None;
+        }
+    }
+    None
+}
+
+/// The control register of extended capability `id` (ACS, ATS), when present.
+pub fn ext_capability_control(config: &[u8], id: u16) -> Option<u16> {
+    let at = find_ext_capability(config, id)? + EXT_CAP_CONTROL;
+    Some(u16::from_le_bytes(config.get(at..at + 2)?.try_into().ok()?))
+}
+
+/// Whether `name` is a PCI function address as sysfs writes it (`0000:03:00.0`).
+pub fn is_bdf(name: &str) -> bool {
+    let b = name.as_bytes();
+    b.len() == 12
+        && b[4] == b':'
+        && b[7] == b':'
+        && b[10] == b'.'
+        && [0..4, 5..7, 8..10].iter().all(|r| b[r.clone()].iter().all(u8::is_ascii_hexdigit))
+        && (b'0'..=b'7').contains(&b[11])
+}
+
+/// The nearest PCI function at or above sysfs path `path`: resolves links, then walks up to
+/// the first directory named like a BDF. `None` when there is none under `root`.
+pub fn pci_function_of(root: &Path, path: &Path) -> Option<(String, PathBuf)> {
+    let resolved = std::fs::canonicalize(path).ok()?;
+    let root = std::fs::canonicalize(root).ok()?;
+    let mut at = resolved.as_path();
+    while at.starts_with(&root) {
+        if let Some(name) = at.file_name().map(|n| n.to_string_lossy()) {
+            if is_bdf(&name) {
+                return Some((name.into_owned(), resolved.clone()));
+            }
+        }
+        at = at.parent()?;
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

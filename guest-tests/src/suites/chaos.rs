@@ -1192,6 +1192,7 @@ mod tests {
                 numa: vec![],
                 pci: vec![],
                 paths: vec![],
+                host: false,
             }),
             image: None,
             root: root.to_owned(),

@@ -11,11 +11,12 @@ use gdrvm_model::{LinkExpectation, PciExpectation};
 
 use crate::context::Context;
 use crate::ktap::{Check, Verdict};
+use crate::pcidev::{ext_capability_control, find_capability, find_ext_capability, is_bdf};
 
 const SYSFS_PCI: &str = "/sys/bus/pci/devices";
 const CAP_ID_MSIX: u8 = 0x11;
-const EXT_CAP_ID_ACS: u32 = 0x000d;
-const EXT_CAP_ID_ATS: u32 = 0x000f;
+const EXT_CAP_ID_ACS: u16 = 0x000d;
+const EXT_CAP_ID_ATS: u16 = 0x000f;
 
 /// A PCI function as sysfs shows it.
 #[derive(Debug, Clone, PartialEq)]
@@ -85,15 +86,6 @@ impl Seen {
     }
 }
 
-fn is_bdf(s: &str) -> bool {
-    let b = s.as_bytes();
-    b.len() == 12
-        && b[4] == b':'
-        && b[7] == b':'
-        && b[10] == b'.'
-        && s.chars().enumerate().all(|(i, c)| [4, 7, 10].contains(&i) || c.is_ascii_hexdigit())
-}
-
 fn read_hex(dir: &Path, file: &str) -> Option<u64> {
     let text = std::fs::read_to_string(dir.join(file)).ok()?;
     u64::from_str_radix(text.trim().trim_start_matches("0x"), 16).ok()
@@ -106,36 +98,9 @@ fn read_text(dir: &Path, file: &str) -> Option<String> {
 /// Capabilities from the raw configuration space (`config`, 4 KiB when readable): ACS (its
 /// control register), ATS, MSI-X.
 fn capabilities(config: &[u8]) -> (Option<u16>, bool, bool) {
-    let (mut acs, mut ats, mut msix) = (None, false, false);
-    let byte = |at: usize| config.get(at).copied().unwrap_or(0);
-    if byte(0x06) & 0x10 != 0 {
-        let mut at = usize::from(byte(0x34) & 0xfc);
-        for _ in 0..48 {
-            if at < 0x40 {
-                break;
-            }
-            msix |= byte(at) == CAP_ID_MSIX;
-            at = usize::from(byte(at + 1) & 0xfc);
-        }
-    }
-    let mut at = 0x100;
-    for _ in 0..(4096 - 256) / 8 {
-        let Some(header) = config.get(at..at + 4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])) else {
-            break;
-        };
-        if header == 0 || header == u32::MAX {
-            break;
-        }
-        if header & 0xffff == EXT_CAP_ID_ACS {
-            acs = config.get(at + 6..at + 8).map(|b| u16::from_le_bytes([b[0], b[1]]));
-        }
-        ats |= header & 0xffff == EXT_CAP_ID_ATS;
-        at = (header >> 20) as usize & 0xffc;
-        if at < 0x100 {
-            break;
-        }
-    }
-    (acs, ats, msix)
+    let acs = ext_capability_control(config, EXT_CAP_ID_ACS);
+    let ats = find_ext_capability(config, EXT_CAP_ID_ATS).is_some();
+    (acs, ats, find_capability(config, CAP_ID_MSIX).is_some())
 }
 
 /// BARs 0-5 from sysfs `resource` ("start end flags" per line, zeros when unused).
@@ -152,11 +117,25 @@ fn read_bars(dir: &Path) -> BTreeMap<u8, (u64, u64)> {
         .collect()
 }
 
+/// The functions from the root bus down to `bdf` (the BDFs of its `/sys/devices` path), or
+/// `None` when sysfs has no such function.
+fn sysfs_path(ctx: &Context, bdf: &str) -> Option<Vec<String>> {
+    let real = std::fs::canonicalize(ctx.path(&format!("{SYSFS_PCI}/{bdf}"))).ok()?;
+    Some(real.components().filter_map(|c| c.as_os_str().to_str()).filter(|c| is_bdf(c)).map(str::to_owned).collect())
+}
+
+/// Function `bdf` as NCCL reads it from sysfs (for suites that type paths between devices
+/// they found elsewhere, such as CUDA's), or `None` when sysfs has no such function.
+pub(super) fn nccl_device(ctx: &Context, bdf: &str) -> Option<PciDevice> {
+    let path = sysfs_path(ctx, bdf)?;
+    let dir = ctx.path(&format!("{SYSFS_PCI}/{bdf}"));
+    let numa_node = read_text(&dir, "numa_node").and_then(|n| n.parse().ok()).unwrap_or(-1);
+    Some(PciDevice { bdf: bdf.to_owned(), path, numa_node })
+}
+
 fn read_function(ctx: &Context, bdf: &str) -> Option<Seen> {
     let dir = ctx.path(&format!("{SYSFS_PCI}/{bdf}"));
-    let real = std::fs::canonicalize(&dir).ok()?;
-    let path: Vec<String> =
-        real.components().filter_map(|c| c.as_os_str().to_str()).filter(|c| is_bdf(c)).map(str::to_owned).collect();
+    let path = sysfs_path(ctx, bdf)?;
     let link = |speed: &str, width: &str| -> Option<(String, u8)> {
         let w: u8 = read_text(&dir, width)?.parse().ok()?;
         let s = read_text(&dir, speed)?;
@@ -193,19 +172,28 @@ fn read_all(ctx: &Context) -> BTreeMap<String, Seen> {
     names.iter().filter_map(|bdf| read_function(ctx, bdf)).map(|f| (f.bdf.clone(), f)).collect()
 }
 
-/// What differs between an expected function and what sysfs shows.
-fn differences(want: &PciExpectation, seen: &Seen) -> Vec<String> {
+/// The link a node file captured from a host gives a device that reports none (see
+/// `gdrvm topology capture`): not a link to hold the host to.
+const CAPTURE_PLACEHOLDER_LINK: (&str, u8) = ("2.5 GT/s PCIe", 1);
+
+/// What differs between an expected function and what sysfs shows. `host`: a host checked
+/// against a node file ([`gdrvm_model::Expectations::host`]), where the host bridge
+/// function's IDs are the node format's own, a device on a one-NUMA-node host may have
+/// no affinity (-1), and a device without a link has the capture's placeholder.
+fn differences(want: &PciExpectation, seen: &Seen, host: Option<usize>) -> Vec<String> {
     let mut out = Vec::new();
     let mut check = |what: &str, want: String, seen: String| {
         if want != seen {
             out.push(format!("{what} {seen}, expected {want}"));
         }
     };
-    check(
-        "IDs",
-        format!("{:04x}:{:04x}", want.vendor, want.device),
-        format!("{:04x}:{:04x}", seen.vendor, seen.device),
-    );
+    if !(host.is_some() && want.kind == "host_bridge") {
+        check(
+            "IDs",
+            format!("{:04x}:{:04x}", want.vendor, want.device),
+            format!("{:04x}:{:04x}", seen.vendor, seen.device),
+        );
+    }
     check("class", format!("{:06x}", want.class), format!("{:06x}", seen.class));
     let sub = want.subsystem.unwrap_or((0, 0));
     check(
@@ -215,9 +203,19 @@ fn differences(want: &PciExpectation, seen: &Seen) -> Vec<String> {
     );
     let parents: Vec<&str> = seen.path.iter().rev().skip(1).map(String::as_str).collect();
     check("parents", want.parents.join(" < "), parents.join(" < "));
-    check("numa_node", want.numa_node.to_string(), seen.numa_node.to_string());
+    let one_node_host = host.is_some_and(|numa_nodes| numa_nodes <= 1);
+    if !(one_node_host && seen.numa_node == -1) {
+        check("numa_node", want.numa_node.to_string(), seen.numa_node.to_string());
+    }
     let show = |l: &Option<(String, u8)>| l.as_ref().map_or("none".to_owned(), |(s, w)| format!("{s} x{w}"));
     let (max, current) = match &want.link {
+        Some(LinkExpectation { max_speed, max_width, .. })
+            if host.is_some()
+                && seen.max_link.is_none()
+                && (max_speed.as_str(), *max_width) == CAPTURE_PLACEHOLDER_LINK =>
+        {
+            (None, None)
+        }
         Some(LinkExpectation { max_speed, max_width, current }) => {
             (Some((max_speed.clone(), *max_width)), current.clone())
         }
@@ -266,7 +264,7 @@ pub fn run(ctx: &Context) -> Vec<Check> {
                 let have: BTreeSet<&str> = seen.keys().map(String::as_str).collect();
                 let missing: Vec<&&str> = want.difference(&have).collect();
                 let extra: Vec<&&str> = have.difference(&want).collect();
-                if missing.is_empty() && extra.is_empty() {
+                if missing.is_empty() && (extra.is_empty() || e.host) {
                     Verdict::Pass
                 } else {
                     Verdict::Fail(format!("missing {missing:?}, unexpected {extra:?}"))
@@ -275,6 +273,13 @@ pub fn run(ctx: &Context) -> Vec<Check> {
         },
     );
     tree.diagnostics.push(format!("{} PCI functions", seen.len()));
+    if let Some(e) = expect.filter(|e| e.host) {
+        let want: BTreeSet<&str> = e.pci.iter().map(|p| p.bdf.as_str()).collect();
+        let beside: Vec<&str> = seen.keys().map(String::as_str).filter(|b| !want.contains(b)).collect();
+        if !beside.is_empty() {
+            tree.diagnostics.push(format!("not in the node file (left out by a capture): {}", beside.join(", ")));
+        }
+    }
     if let Some(e) = expect {
         let (kept, moved) = bar_placement(&e.pci, &seen);
         tree.diagnostics.push(format!("BARs: {kept} where the VMM put them, {moved} moved by Linux"));
@@ -288,7 +293,7 @@ pub fn run(ctx: &Context) -> Vec<Check> {
             &name,
             match seen.get(&want.bdf) {
                 None => Verdict::Fail(format!("{} ({}) is not in sysfs", want.bdf, want.name)),
-                Some(s) => match differences(want, s) {
+                Some(s) => match differences(want, s, expect.filter(|e| e.host).map(|e| e.numa.len())) {
                     d if d.is_empty() => Verdict::Pass,
                     d => Verdict::Fail(d.join("; ")),
                 },
@@ -296,7 +301,75 @@ pub fn run(ctx: &Context) -> Vec<Check> {
         ));
     }
     checks.extend(nccl_checks(ctx, &seen));
+    checks.extend(nccl_ib_devices(ctx, &seen));
     checks
+}
+
+/// Where NCCL finds each RDMA device (`/sys/class/infiniband`): NCCL takes the device's
+/// PCI path from its sysfs parent. Soft-RoCE devices have none on 6.x kernels (upstream
+/// removed `dev.parent` of software drivers in 5.11), so NCCL itself places them on no PCI
+/// switch and turns GPUDirect RDMA off through them; that is said in the diagnostics. The
+/// check is where the device really sits: its parent, or its network interface's PCI
+/// function, which must be a NIC of the node file.
+fn nccl_ib_devices(ctx: &Context, seen: &BTreeMap<String, Seen>) -> Vec<Check> {
+    use super::rdma::ibdev;
+    let gpus: Vec<&Seen> = seen.values().filter(|s| s.is_gpu()).collect();
+    ibdev::devices(&ctx.root)
+        .into_iter()
+        .map(|dev| {
+            let name = format!("nccl_ib_{dev}");
+            let own =
+                crate::pcidev::pci_function_of(&ctx.root, &ctx.root.join(format!("sys/class/infiniband/{dev}/device")));
+            let mut notes = vec![match &own {
+                Some((bdf, _)) => format!("NCCL finds {dev} at {bdf} (its sysfs parent)"),
+                None => format!(
+                    "NCCL finds no PCI path for {dev}: it has no sysfs parent (a software device), so NCCL puts \
+                     it under no PCI switch and GPUDirect RDMA is off through it"
+                ),
+            }];
+            let parent = match ibdev::pci_parent(&ctx.root, &dev) {
+                Ok(p) => p,
+                Err(e) => return Check::new(&name, Verdict::Fail(e)),
+            };
+            notes.push(parent.via.clone());
+            let Some(nic) = seen.get(&parent.bdf).filter(|s| s.is_nic()) else {
+                return Check {
+                    diagnostics: notes,
+                    ..Check::new(
+                        &name,
+                        Verdict::Fail(format!("{dev} sits on {}, which is not a NIC function", parent.bdf)),
+                    )
+                };
+            };
+            for gpu in &gpus {
+                let path = nccl::path_type(&gpu.nccl(), &nic.nccl());
+                notes.push(format!(
+                    "nccl gpu {} ib {dev} at {} {path} gdr {}",
+                    gpu.bdf,
+                    nic.bdf,
+                    if path.gdr() && own.is_some() {
+                        "on"
+                    } else if path.gdr() {
+                        "on by its place, off in NCCL (no PCI path)"
+                    } else {
+                        "off"
+                    }
+                ));
+            }
+            let named = ctx.expect.as_ref().and_then(|e| e.pci.iter().find(|p| p.bdf == parent.bdf));
+            let verdict = match (ctx.expect.as_ref(), named) {
+                (None, _) => Verdict::Pass,
+                (Some(_), Some(f)) => {
+                    notes.push(format!("{} is {} ({}) in the node file", parent.bdf, f.name, f.kind));
+                    Verdict::Pass
+                }
+                (Some(_), None) => {
+                    Verdict::Fail(format!("{dev} sits on {}, which the node file does not have", parent.bdf))
+                }
+            };
+            Check { diagnostics: notes, ..Check::new(&name, verdict) }
+        })
+        .collect()
 }
 
 /// NCCL's view from sysfs: every GPU-NIC and GPU-GPU path, checked against expectations.
@@ -372,8 +445,8 @@ mod tests {
         config[0x40] = 0x10;
         config[0x41] = 0x80;
         config[0x80] = CAP_ID_MSIX;
-        config[0x100..0x104].copy_from_slice(&(EXT_CAP_ID_ATS | (1 << 16) | (0x140 << 20)).to_le_bytes());
-        config[0x140..0x144].copy_from_slice(&(EXT_CAP_ID_ACS | (1 << 16)).to_le_bytes());
+        config[0x100..0x104].copy_from_slice(&(u32::from(EXT_CAP_ID_ATS) | (1 << 16) | (0x140 << 20)).to_le_bytes());
+        config[0x140..0x144].copy_from_slice(&(u32::from(EXT_CAP_ID_ACS) | (1 << 16)).to_le_bytes());
         config[0x146] = 0x1c;
         assert_eq!(capabilities(&config), (Some(0x1c), true, true));
         // 256 bytes only (no extended space), a looping list: no hang, no extended caps.
@@ -440,7 +513,7 @@ mod tests {
                 0
             };
             if ext != 0 {
-                config[0x100..0x104].copy_from_slice(&(ext | (1 << 16)).to_le_bytes());
+                config[0x100..0x104].copy_from_slice(&(u32::from(ext) | (1 << 16)).to_le_bytes());
                 config[0x106..0x108].copy_from_slice(&f.acs_control.to_le_bytes());
             }
             std::fs::write(path.join("config"), config).unwrap();
@@ -487,6 +560,44 @@ mod tests {
         assert!(gdr.diagnostics.iter().all(|l| !l.contains("gdr on")), "{gdr:?}");
     }
 
+    /// A host checked against its own capture: a function the capture left out, the node
+    /// format's host bridge IDs, no NUMA affinity on a one-node host and the placeholder link
+    /// of a device that reports none are noted, not failed; in a guest each fails.
+    #[test]
+    fn test_a_host_against_its_capture_tolerates_only_what_a_capture_cannot_say() {
+        let text = "name = \"h\"\n[[numa]]\ncpus = 2\nmemory = \"1G\"\n[[host_bridge]]\nname = \"hb0\"\nnuma = 0\n\
+                    [[endpoint]]\nname = \"nic0\"\nkind = \"nic\"\nparent = \"hb0\"\nvendor = 0x1af4\ndevice = 0x1041\n\
+                    link = \"2.5GT/s x1\"\n";
+        let node = gdrvm_model::node::Node::parse("test", text).unwrap();
+        let guest = gdrvm_model::Expectations::new(2, 1 << 30, &node);
+        let hb_bdf = guest.pci.iter().find(|p| p.kind == "host_bridge").unwrap().bdf.clone();
+        // The host: another host bridge function, no NUMA, no link, one function more.
+        let mut seen = guest.clone();
+        seen.pci.push(PciExpectation { bdf: "0000:00:1f.0".into(), link: None, ..guest.pci[1].clone() });
+        let root = fake_sysfs(&seen, |bdf, files| {
+            files.insert("numa_node", "-1".into());
+            files.remove("max_link_speed");
+            files.remove("current_link_speed");
+            if bdf == hb_bdf {
+                files.insert("vendor", "0x8086".into());
+                files.insert("device", "0x0d57".into());
+            }
+        });
+        let ctx = |host: bool| Context {
+            expect: Some(gdrvm_model::Expectations { host, ..guest.clone() }),
+            image: None,
+            root: root.path().to_owned(),
+            kernel_log: Ok(String::new()),
+            module_errors: vec![],
+        };
+        let checks = run(&ctx(true));
+        assert_eq!(failed(&checks), []);
+        let tree = checks.iter().find(|c| c.name == "pci_functions").unwrap();
+        assert!(tree.diagnostics.iter().any(|d| d.contains("left out by a capture): 0000:00:1f.0")), "{tree:?}");
+        let as_guest: Vec<String> = failed(&run(&ctx(false))).into_iter().map(|(name, _)| name).collect();
+        assert_eq!(as_guest.len(), 3, "{as_guest:?}");
+    }
+
     #[test]
     fn test_a_narrow_link_and_a_moved_numa_node_fail_by_function() {
         let checks = checks_on("minimal", |bdf, files| {
@@ -527,6 +638,55 @@ mod tests {
         );
         let tree = checks.iter().find(|c| c.name == "pci_functions").unwrap();
         assert_eq!(tree.diagnostics[1], "BARs: 2 where the VMM put them, 2 moved by Linux");
+    }
+
+    /// `pci::run` on `preset`'s sysfs as one `topology` KTAP document; `expect: false` is a
+    /// bare-metal run (sysfs alone).
+    fn topology_ktap(preset: &str, expect: bool) -> String {
+        let node = gdrvm_model::node::Node::preset(preset).unwrap().unwrap().scaled(Some(2), Some(1 << 30)).unwrap();
+        let expectations = gdrvm_model::Expectations::new(2, 1 << 30, &node);
+        let root = fake_sysfs(&expectations, |_, _| {});
+        let ctx = Context {
+            expect: expect.then_some(expectations),
+            image: None,
+            root: root.path().to_owned(),
+            kernel_log: Ok(String::new()),
+            module_errors: vec![],
+        };
+        crate::ktap::render(&[crate::ktap::SuiteReport { name: "topology".into(), checks: run(&ctx) }])
+    }
+
+    #[test]
+    fn test_bare_metal_prints_every_pair_from_sysfs() {
+        let ktap = topology_ktap("vela-a100", false);
+        let pairs: Vec<&str> = ktap.lines().filter(|l| l.starts_with("    # nccl gpu ")).collect();
+        // 8 GPUs: 8 x 2 GPU-NIC pairs and 28 GPU-GPU pairs, by BDF and kind.
+        assert_eq!(pairs.len(), 16 + 28, "{ktap}");
+        assert!(pairs.contains(&"    # nccl gpu 0000:03:00.0 nic 0000:05:00.0 PIX gdr on bw 24.0 GB/s"), "{ktap}");
+        assert!(pairs.contains(&"    # nccl gpu 0000:03:00.0 gpu 0000:11:00.0 SYS bw 24.0 GB/s"), "{ktap}");
+        assert!(ktap.contains("ok 1 pci_functions # SKIP no PCI expectations"), "{ktap}");
+    }
+
+    /// The KTAP fixtures `cargo xtask parity` is tested with (`tests/fixtures/parity/`) are
+    /// this agent's output: a bare-metal run on vela-a100's tree (the host) and a guest booted
+    /// on `flat` (the deliberately flattened guest). `GDRVM_UPDATE_FIXTURES=1` rewrites them.
+    #[test]
+    fn test_parity_fixtures_are_agent_output() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/parity");
+        for (file, preset, expect) in [("vela-a100-host.ktap", "vela-a100", false), ("flat-guest.ktap", "flat", true)] {
+            let ktap = topology_ktap(preset, expect);
+            let path = dir.join(file);
+            if std::env::var_os("GDRVM_UPDATE_FIXTURES").is_some() {
+                std::fs::create_dir_all(&dir).unwrap();
+                std::fs::write(&path, &ktap).unwrap();
+            }
+            let stored = std::fs::read_to_string(&path).unwrap_or_default();
+            assert!(
+                stored == ktap,
+                "{} is not what the agent prints now; GDRVM_UPDATE_FIXTURES=1 rewrites it",
+                path.display()
+            );
+        }
     }
 
     #[test]

@@ -172,12 +172,21 @@ mod tests {
 
     fn ctx(root: &std::path::Path, log: &str) -> Context {
         Context {
-            expect: Some(Expectations { cpus: 2, memory_bytes: 1 << 30, numa: vec![], pci: vec![], paths: vec![] }),
+            expect: Some(Expectations {
+                cpus: 2,
+                memory_bytes: 1 << 30,
+                numa: vec![],
+                pci: vec![],
+                paths: vec![],
+                host: false,
+            }),
             image: Some(ImageManifest {
                 name: "default".into(),
                 kernel_release: "6.1.0-57-amd64".into(),
                 modules: vec!["/lib/modules/virtio_net.ko".into()],
                 optional_modules: vec![],
+                on_demand_modules: vec![],
+                user_modules: vec![],
             }),
             root: root.to_owned(),
             kernel_log: Ok(log.to_owned()),

@@ -145,7 +145,14 @@ mod tests {
             NumaExpectation { cpus: vec![1], memory_bytes: 512 << 20, distances: vec![21, 10] },
         ];
         Context {
-            expect: Some(Expectations { cpus: 2, memory_bytes: 1 << 30, numa, pci: vec![], paths: vec![] }),
+            expect: Some(Expectations {
+                cpus: 2,
+                memory_bytes: 1 << 30,
+                numa,
+                pci: vec![],
+                paths: vec![],
+                host: false,
+            }),
             image: None,
             root: root.to_owned(),
             kernel_log: Ok(String::new()),

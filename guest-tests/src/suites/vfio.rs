@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use crate::context::Context;
 use crate::dma::{PinnedPage, PAGE_SIZE};
 use crate::ktap::{Check, Verdict};
+use crate::net::{link_state, netdev_of, wait_for};
 use crate::packet::{self, PacketSocket, Probe, ETHERTYPE, PACKET_OUTGOING};
 use crate::pcidev::{self, MappedBar, Mmio, COMMAND_BUS_MASTER, COMMAND_MEMORY};
 use crate::sys;
@@ -71,20 +72,6 @@ pub fn run(ctx: &Context) -> Vec<Check> {
     vec![bound, frames, identity, dma, p2p]
 }
 
-/// Calls `f` until it gives a value or `timeout` passes (at least once).
-fn wait_for<T>(timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
-    let start = Instant::now();
-    loop {
-        if let Some(v) = f() {
-            return Some(v);
-        }
-        if start.elapsed() >= timeout {
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 fn read_trimmed(path: &Path) -> Option<String> {
     std::fs::read_to_string(path).ok().map(|s| s.trim().to_owned())
 }
@@ -128,23 +115,6 @@ fn legacy_irq(dir: &Path) -> Option<u32> {
 fn e1000e_wants_intx(ctx: &Context) -> bool {
     read_trimmed(&ctx.path("/proc/cmdline"))
         .is_some_and(|c| c.split_whitespace().any(|w| w.starts_with("e1000e.IntMode=0")))
-}
-
-/// The network interface of the PCI function in `dir` (`net/<name>`).
-fn netdev_of(dir: &Path) -> Option<String> {
-    let mut names: Vec<String> = std::fs::read_dir(dir.join("net"))
-        .ok()?
-        .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
-        .collect();
-    names.sort();
-    names.into_iter().next()
-}
-
-/// `carrier` and `operstate` of interface `name` ("?" where unreadable: carrier reads
-/// EINVAL while the interface is down).
-fn link_state(ctx: &Context, name: &str) -> (String, String) {
-    let read = |file: &str| read_trimmed(&ctx.path(&format!("/sys/class/net/{name}/{file}"))).unwrap_or("?".into());
-    (read("carrier"), read("operstate"))
 }
 
 fn e1000e_bound(ctx: &Context) -> (Check, Vec<Nic>) {
@@ -206,10 +176,10 @@ fn e1000e_bound(ctx: &Context) -> (Check, Vec<Nic>) {
     let started = Instant::now();
     for nic in &nics {
         let ready = wait_for(CARRIER_TIMEOUT.saturating_sub(started.elapsed()), || {
-            let (carrier, operstate) = link_state(ctx, &nic.netdev);
+            let (carrier, operstate) = link_state(&ctx.root, &nic.netdev);
             (carrier == "1" && operstate == "up").then_some(())
         });
-        let (carrier, operstate) = link_state(ctx, &nic.netdev);
+        let (carrier, operstate) = link_state(&ctx.root, &nic.netdev);
         if ready.is_some() {
             notes.push(format!(
                 "{}: carrier {carrier}, operstate {operstate} after {} ms",
@@ -849,7 +819,7 @@ mod tests {
         std::fs::write(class.join("carrier"), "1\n").unwrap();
         std::fs::write(class.join("operstate"), "up\n").unwrap();
         let c = ctx(root.path());
-        assert_eq!(link_state(&c, "eth0"), ("1".into(), "up".into()));
-        assert_eq!(link_state(&c, "eth9"), ("?".into(), "?".into()));
+        assert_eq!(link_state(&c.root, "eth0"), ("1".into(), "up".into()));
+        assert_eq!(link_state(&c.root, "eth9"), ("?".into(), "?".into()));
     }
 }

@@ -421,13 +421,7 @@ mod tests {
     }
 
     fn ctx(root: &Path, pci: Vec<PciExpectation>) -> Context {
-        Context {
-            expect: Some(Expectations { cpus: 1, memory_bytes: 1 << 30, numa: vec![], pci, paths: vec![] }),
-            image: None,
-            root: root.to_owned(),
-            kernel_log: Ok(String::new()),
-            module_errors: vec![],
-        }
+        crate::context::test_context(root, pci)
     }
 
     fn verdicts(checks: &[Check]) -> Vec<(&str, &Verdict)> {

@@ -180,7 +180,7 @@ pub(super) mod tests {
         use gdrvm_model::node::Node;
         let node = Node::preset("minimal").unwrap().unwrap();
         let (pci, paths) = node.pci_expectations();
-        let expect = Expectations { cpus: 1, memory_bytes: 1 << 30, numa: vec![], pci, paths };
+        let expect = Expectations { cpus: 1, memory_bytes: 1 << 30, numa: vec![], pci, paths, host: false };
         let named = super::paths_by_name(&expect);
         let p = super::path(&named.paths, "gpu0", "nic0").unwrap();
         assert_eq!((p.path.to_string(), p.gdr), ("PIX".to_string(), Some(true)));
@@ -190,6 +190,7 @@ pub(super) mod tests {
     use gdrvm_model::nccl::PathType;
 
     use super::*;
+    use crate::context::expected_function;
 
     /// An expected function named `name` of `kind` behind `backing`, with memory BARs
     /// `bars` (index, size); the rest an A100's.
@@ -200,23 +201,10 @@ pub(super) mod tests {
         bars: &[(u8, u64)],
     ) -> PciExpectation {
         PciExpectation {
-            name: name.into(),
-            kind: kind.into(),
-            bdf: "0000:00:00.0".into(),
-            parents: vec![],
-            vendor: 0x10de,
-            device: 0x2330,
-            class: 0x030200,
-            subsystem: None,
-            numa_node: 0,
-            link: None,
-            acs: false,
-            acs_control: 0,
-            ats: false,
-            msix: true,
+            class: 0x03_02_00,
             bars: bars.iter().map(|&(index, size)| BarExpectation { index, size, address: 0 }).collect(),
             backing: backing.into(),
-            p2p: true,
+            ..expected_function(name, kind, "0000:00:00.0", (0x10de, 0x2330))
         }
     }
 
@@ -239,6 +227,7 @@ pub(super) mod tests {
                 function("nic1", "nic", "vfio-user:/tmp/nic.sock", &[]),
             ],
             paths: vec![],
+            host: false,
         };
         let found = emulated(&expect);
         let names = |v: &[&PciExpectation]| v.iter().map(|f| f.name.clone()).collect::<Vec<_>>();
