@@ -8,11 +8,13 @@
 //!   against host memcpy of the same sizes, and a trapped BAR read through the emulator
 //!   against an in-VMM register read; then vela-a100 with emulated GPUs and NICs against
 //!   the same tree hollow, time to the agent, alternating.
+//! - `net`: TCP and ib_write_bw between the two nodes of `two-node`, gdrvm's wire against
+//!   QEMU's `dgram` netdev, same kernel and guests, alternating, each run in an L1 of its own.
 
 use std::time::Duration;
 
 use anyhow::{bail, Result};
-use gdrvm_harness::{Artifacts, QemuMachine, Runner, VmResult, VmSpec, Vmm};
+use gdrvm_harness::{Artifacts, ClusterSpec, QemuMachine, Runner, VmResult, VmSpec, Vmm};
 
 /// The VMMs compared, in the order each round runs them.
 const CONTENDERS: [(&str, Vmm); 3] = [
@@ -37,14 +39,18 @@ const MIN_SAMPLES: usize = 3;
 /// n/a when fewer than [`MIN_SAMPLES`] runs gave a figure. Figures are in seconds unless
 /// `what` names its unit (`MB/s`, a ratio).
 fn print_median(what: &str, times: &[f64], runs: usize) -> Option<f64> {
-    let unit = if what.contains("MB/s") || what.contains(" / ") { "" } else { " s" };
+    let unit = if what.contains("MB/s") || what.contains("Gb/s") || what.contains(" / ") { "" } else { " s" };
     let m = median(times.to_vec()).filter(|_| times.len() >= MIN_SAMPLES);
     let lost = runs - times.len().min(runs);
     println!(
         "xtask: bench: {what}: median {} over {} of {runs} runs ({}){}",
         m.map_or(format!("n/a (fewer than {MIN_SAMPLES} samples)"), |m| format!("{m:.4}{unit}")),
         times.len(),
-        times.iter().map(|t| format!("{t:.2}")).collect::<Vec<_>>().join(", "),
+        times
+            .iter()
+            .map(|t| if unit.is_empty() { format!("{t:.3}") } else { format!("{t:.2}") })
+            .collect::<Vec<_>>()
+            .join(", "),
         if lost > 0 { format!("; {lost} sample(s) lost") } else { String::new() }
     );
     m
@@ -67,6 +73,7 @@ fn specs(artifacts: &Artifacts, rounds: usize) -> Vec<VmSpec> {
                 vmm: *vmm,
                 image: artifacts.guest.clone(),
                 node: None,
+                cluster: None,
                 // The same kernel, initramfs and command line for every VMM; no suites, so
                 // the agent prints its KTAP header as soon as it starts.
                 cmdline: "console=ttyS0 quiet panic=-1 gdrvm.suites=".into(),
@@ -149,6 +156,7 @@ async fn time_to_agent(runner: &Runner, rounds: usize, nodes: &[(&str, String)])
                 vmm: Vmm::Gdrvm,
                 image: runner.artifacts.guest.clone(),
                 node: Some(node.clone()),
+                cluster: None,
                 cmdline: "console=ttyS0 quiet panic=-1 gdrvm.suites=".into(),
                 cpus: 2,
                 memory: "1G".into(),
@@ -207,6 +215,7 @@ pub async fn vfio(runner: &Runner, rounds: usize) -> Result<()> {
                 vmm: Vmm::Gdrvm,
                 image: runner.artifacts.guest.clone(),
                 node: Some(if *access == "mapped" { "vfio-lab".to_owned() } else { trapped.clone() }),
+                cluster: None,
                 cmdline: "console=ttyS0 quiet panic=-1 gdrvm.suites=barbench".into(),
                 cpus: 1,
                 memory: "1G".into(),
@@ -271,6 +280,76 @@ pub async fn p2p(runner: &Runner, rounds: usize) -> Result<()> {
         [Some(e), Some(h)] => println!("xtask: bench: ratio emulated / hollow = {:.3} (target <= 1.15)", e / h),
         _ => println!("xtask: bench: ratio n/a (fewer than {MIN_SAMPLES} samples of a kind)"),
     }
+    Ok(())
+}
+
+/// The VMMs the net benchmark compares, each running the two-node cluster.
+const NET_CONTENDERS: [(&str, bool); 2] = [("gdrvm", false), ("qemu", true)];
+
+/// The last figure in Gb/s on a console line of node a that mentions `what`.
+fn gbits(r: &VmResult, what: &str) -> Option<f64> {
+    r.console.iter().filter(|l| l.starts_with("[a] ") && l.contains(what)).find_map(|l| {
+        let before = l.split("Gb/s").next()?;
+        before.split_whitespace().last()?.parse().ok()
+    })
+}
+
+/// Runs `cargo xtask bench net`: the two-node cluster under gdrvm (virtio-net on its
+/// userspace wire) and under QEMU (virtio-net-pci on a unix `dgram` netdev), alternating,
+/// same kernel, initramfs and guest size; the rdma suite's TCP stream and ib_write_bw
+/// figures, medians and ratios gdrvm / QEMU.
+pub async fn net(runner: &Runner, rounds: usize) -> Result<()> {
+    if rounds < 1 {
+        bail!("--rounds must be at least 1");
+    }
+    println!("xtask: bench net: {rounds} rounds of two-node, gdrvm and QEMU alternating, {:?} runner", runner.kind);
+    let specs: Vec<VmSpec> = (0..rounds)
+        .flat_map(|round| {
+            NET_CONTENDERS.iter().map(move |(name, qemu)| VmSpec {
+                name: format!("{name} #{round}"),
+                vmm: Vmm::Gdrvm,
+                image: runner.artifacts.guest.clone(),
+                node: None,
+                cluster: Some(ClusterSpec { cluster: "two-node".into(), kill: None, qemu: *qemu }),
+                cmdline: "console=ttyS0 quiet panic=-1 tsc=reliable gdrvm.suites=rdma".into(),
+                cpus: 1,
+                memory: "768M".into(),
+                timeout: Duration::from_secs(240),
+            })
+        })
+        .collect();
+    // Every job in an L1 of its own: QEMU as L2's VMM has been seen to bring L1 down
+    // (see the shared ARCHITECTURE.md), and a damaged L1 must not cost the next job.
+    let mut results = Vec::new();
+    for spec in &specs {
+        results.extend(runner.run(std::slice::from_ref(spec)).await?);
+    }
+    let mut medians = Vec::new();
+    for (name, _) in NET_CONTENDERS {
+        let mine: Vec<&VmResult> = results.iter().filter(|r| r.name.starts_with(&format!("{name} #"))).collect();
+        for r in mine.iter().filter(|r| gbits(r, "tcp_stream").is_none() || gbits(r, "ib_write_bw").is_none()) {
+            println!(
+                "xtask: bench: {} gave no figure: {}; what its VMMs said, and its last lines:",
+                r.name,
+                r.problem().unwrap_or_default()
+            );
+            let said = r.console.iter().filter(|l| l.contains("] gdrvm:") || l.contains("WARN"));
+            for line in said.chain(r.tail()) {
+                println!("  | {line}");
+            }
+        }
+        let of = |what: &str| -> Vec<f64> { mine.iter().filter_map(|r| gbits(r, what)).collect() };
+        let tcp = print_median(&format!("{name:<6} TCP stream Gb/s"), &of("tcp_stream"), mine.len());
+        let ib = print_median(&format!("{name:<6} ib_write_bw Gb/s"), &of("ib_write_bw"), mine.len());
+        medians.push((tcp, ib));
+    }
+    print_l1_incidents(&results);
+    let ratio = |g: Option<f64>, q: Option<f64>| match (g, q) {
+        (Some(g), Some(q)) if q > 0.0 => format!("{:.3}", g / q),
+        _ => format!("n/a (fewer than {MIN_SAMPLES} samples of a kind)"),
+    };
+    println!("xtask: bench: TCP gdrvm / QEMU = {} (target >= 1.0)", ratio(medians[0].0, medians[1].0));
+    println!("xtask: bench: ib_write_bw gdrvm / QEMU = {} (target >= 1.0)", ratio(medians[0].1, medians[1].1));
     Ok(())
 }
 

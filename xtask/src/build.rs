@@ -33,8 +33,50 @@ fn static_binaries() -> Result<(PathBuf, PathBuf)> {
     Ok((dir.join("gdrvm"), dir.join("gdrvm-agent")))
 }
 
+/// Debian packages the `ibverbs` crate builds with (it compiles rdma-core's headers and
+/// links libibverbs).
+const VERBS_BUILD_PACKAGES: &[&str] =
+    &["cmake", "pkg-config", "libnl-3-dev", "libnl-route-3-dev", "libclang-dev", "libibverbs-dev"];
+
+/// Builds the agent's dynamically linked helpers: `gdrvm-verbs` for the `rdma` suite
+/// (against libibverbs, whose providers are loaded at run time; the image carries Debian's
+/// libibverbs and rxe provider) and `gdrvm-gpu` for the `gpu` suite (it opens the NVIDIA
+/// driver's libcuda at run time and says so where there is none). Returns their paths.
+fn dynamic_helpers() -> Result<(PathBuf, PathBuf)> {
+    crate::host::require_packages(VERBS_BUILD_PACKAGES)?;
+    println!("xtask: building gdrvm-verbs and gdrvm-gpu (release, dynamic: libibverbs, libcuda at run time)");
+    let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .current_dir(workspace())
+        .args(["build", "--release", "-p", "gdrvm-verbs", "-p", "gdrvm-gpu"])
+        .status()
+        .context("running cargo build")?;
+    if !status.success() {
+        bail!("cargo build of gdrvm-verbs and gdrvm-gpu failed");
+    }
+    let release = target_dir().join("release");
+    Ok((release.join("gdrvm-verbs"), release.join("gdrvm-gpu")))
+}
+
 fn target_dir() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| workspace().join("target"))
+}
+
+/// The files the guest image adds to its recipe: the agent as /init, its verbs and CUDA
+/// helpers.
+fn guest_extras(agent: PathBuf, verbs: PathBuf, gpu: PathBuf) -> [ExtraFile; 3] {
+    [
+        ExtraFile { guest_path: "/init".into(), source: Source::Host(agent), mode: 0o755 },
+        ExtraFile { guest_path: "/usr/bin/gdrvm-verbs".into(), source: Source::Host(verbs), mode: 0o755 },
+        ExtraFile { guest_path: "/usr/bin/gdrvm-gpu".into(), source: Source::Host(gpu), mode: 0o755 },
+    ]
+}
+
+/// The guest image with another kernel or an out-of-tree module (see [`crate::kernel`]),
+/// after [`artifacts`] built the binaries it carries.
+pub fn custom_guest(opts: &crate::kernel::KernelOpts) -> Result<BootImage> {
+    let agent = target_dir().join(TARGET).join("release").join("gdrvm-agent");
+    let release = target_dir().join("release");
+    crate::kernel::guest_image(opts, &guest_extras(agent, release.join("gdrvm-verbs"), release.join("gdrvm-gpu")))
 }
 
 /// Builds everything and writes the artifact index.
@@ -43,12 +85,16 @@ pub fn artifacts() -> Result<Artifacts> {
     let (gdrvm, agent) = static_binaries()?;
     let cache = Cache::new(gdrvm_dir().join("cache"));
     let progress = |line: &str| println!("xtask: image: {line}");
-    let init = ExtraFile { guest_path: "/init".into(), source: Source::Host(agent), mode: 0o755 };
+    let (verbs, gpu) = dynamic_helpers()?;
+    let [init, verbs, gpu] = guest_extras(agent, verbs, gpu);
     let mut images = Vec::new();
     for name in ["default", "l1"] {
         let path = gdrvm_images::recipes_dir().join(format!("{name}.toml"));
         let recipe = Recipe::load(&path)?;
-        let built = gdrvm_images::build(&recipe, std::slice::from_ref(&init), &cache, &progress)?;
+        // The guest image runs the rdma and gpu suites; L1 only runs VMMs.
+        let extras =
+            if name == "default" { vec![init.clone(), verbs.clone(), gpu.clone()] } else { vec![init.clone()] };
+        let built = gdrvm_images::build(&recipe, &extras, &cache, &progress)?;
         println!(
             "xtask: image {name}: {} ({})",
             built.initramfs.display(),

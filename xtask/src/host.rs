@@ -18,6 +18,22 @@ fn is_root() -> bool {
 /// apt-get when running as root.
 pub fn require_commands(needs: &[(&str, &str)]) -> Result<()> {
     let missing: Vec<&str> = needs.iter().filter(|(cmd, _)| !have(cmd)).map(|(_, pkg)| *pkg).collect();
+    install_missing(missing)
+}
+
+/// Installs the Debian packages of `packages` that are not installed (build dependencies
+/// with no command to look for: -dev packages), or says how to.
+pub fn require_packages(packages: &[&str]) -> Result<()> {
+    let installed = |pkg: &str| {
+        Command::new("dpkg-query")
+            .args(["-W", "-f=${Status}", pkg])
+            .output()
+            .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).ends_with("install ok installed"))
+    };
+    install_missing(packages.iter().copied().filter(|p| !installed(p)).collect())
+}
+
+fn install_missing(missing: Vec<&str>) -> Result<()> {
     if missing.is_empty() {
         return Ok(());
     }

@@ -1,8 +1,13 @@
 //! `cargo xtask`: gdrvm's developer commands.
 
 mod bench;
+mod bisect;
 mod build;
 mod host;
+mod kernel;
+mod matrix;
+mod parity;
+mod regress;
 mod soak;
 mod vfio_bind;
 
@@ -13,8 +18,8 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use gdrvm_harness::{
-    exit, gdrvm_dir, junit, Artifacts, BootImage, L1Config, QemuMachine, Runner, RunnerChoice, RunnerKind, TcgThreads,
-    VmResult, VmSpec, Vmm,
+    exit, gdrvm_dir, junit, Artifacts, BootImage, ClusterSpec, L1Config, QemuMachine, Runner, RunnerChoice, RunnerKind,
+    TcgThreads, VmResult, VmSpec, Vmm,
 };
 
 #[derive(Parser)]
@@ -50,8 +55,12 @@ struct RunOpts {
     timeout: u64,
     /// Node description (preset or TOML file); --cpus and --memory then spread over its
     /// NUMA nodes.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "cluster")]
     node: Option<String>,
+    /// A cluster (preset `two-node`, or a cluster file): every node boots, joined by its
+    /// wires, with this image, size and suites; one KTAP subtest per node.
+    #[arg(long)]
+    cluster: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -65,11 +74,23 @@ enum Cmd {
         /// A busybox shell on the guest console instead of suites (Ctrl-A x quits).
         #[arg(long)]
         shell: bool,
-        /// Extra kernel parameters (e.g. "pci=realloc"), appended to the command line.
+        /// Extra kernel parameters (e.g. "pci=realloc"), appended to the command line;
+        /// `{attempt}` in them becomes the attempt's number (0, 1, ...; see --repeat).
         #[arg(long, default_value = "")]
         append: String,
+        /// Boot up to this many times (odd) and exit as the majority did, so a flaky test
+        /// does not mislead `git bisect run`; stops once the majority is certain.
+        #[arg(long, default_value_t = 1, conflicts_with = "shell")]
+        repeat: usize,
         #[command(flatten)]
         run: RunOpts,
+        #[command(flatten)]
+        kernel: kernel::KernelOpts,
+    },
+    /// The kernels images/kernels.lock pins.
+    Kernels {
+        #[command(subcommand)]
+        what: KernelsCmd,
     },
     /// Build the static binaries and the guest and L1 images.
     Image,
@@ -129,12 +150,106 @@ enum Cmd {
     /// Pin every package of the image recipes to the version Debian's archive serves now
     /// (refreshing apt's lists), with its sha256; rewrites images/recipes/*.toml.
     Repin,
-    /// Run every test: dependency guard, unit tests and end-to-end boots.
+    /// Run every test: dependency guard, unit tests and end-to-end boots. With --matrix,
+    /// boot each cell of a matrix file instead (kernels x nodes x command lines x module
+    /// sources x suites): JUnit with one testsuite per cell, a summary, what differs.
     Test {
+        /// A matrix file (e.g. matrix/kernels.toml).
+        #[arg(long)]
+        matrix: Option<PathBuf>,
+        /// Run every N-th cell from the I-th (`I/N`), for a CI system's own matrix; join
+        /// the shards' JUnit with `cargo xtask results merge`.
+        #[arg(long, requires = "matrix")]
+        shard: Option<matrix::Shard>,
+        /// Where the matrix's JUnit goes (default target/gdrvm/results/matrix-<name>[-I-of-N].xml).
+        #[arg(long, requires = "matrix")]
+        junit: Option<PathBuf>,
+        /// Where the matrix's VMs run.
+        #[arg(long, value_enum, default_value = "auto", requires = "matrix")]
+        runner: RunnerArg,
         /// Extra arguments for `cargo test`.
         #[arg(last = true)]
         cargo_args: Vec<String>,
     },
+    /// Compare NCCL's paths on a host and in its guest: both files are KTAP output of the
+    /// agent's `topology` suite. Lists every GPU-NIC and GPU-GPU pair (matched by kind and
+    /// BDF order) whose path type or GDR decision differs; exits 0 when none does, 1 when one
+    /// does, 125 when a file cannot be read.
+    Parity {
+        /// KTAP of the bare-metal run on the host.
+        host: PathBuf,
+        /// KTAP of the run inside the guest.
+        guest: PathBuf,
+        /// Also write the report as one self-contained HTML page.
+        #[arg(long, value_name = "OUT.html")]
+        html: Option<PathBuf>,
+    },
+    /// JUnit files of matrix shards.
+    Results {
+        #[command(subcommand)]
+        what: ResultsCmd,
+    },
+    /// Find the first bad candidate between a good and a bad one: kernels from the lock
+    /// file (--kernels) or a list of candidates (--candidates FILE), each booted with the
+    /// suites; --repeat boots each candidate several times and takes the majority. Exit 0
+    /// with the first bad named, 125 when untestable candidates hide it, 1 when the ends
+    /// are wrong (--verify-ends).
+    Bisect {
+        /// Candidates: every kernel in images/kernels.lock, in version order.
+        #[arg(long, conflicts_with = "candidates")]
+        kernels: bool,
+        /// Candidates: a TOML file of [[candidate]] name = .., kernel = .., append = ..,
+        /// module_src = .. (oldest first).
+        #[arg(long)]
+        candidates: Option<PathBuf>,
+        /// The last known good candidate (a name, or a unique part of one).
+        #[arg(long)]
+        good: String,
+        /// A known bad candidate, after the good one.
+        #[arg(long)]
+        bad: String,
+        /// Suites each candidate runs (repeatable).
+        #[arg(long = "suite", default_value = "smoke")]
+        suites: Vec<String>,
+        /// Judge by one KTAP test (`suite.case`, or a case name) instead of the whole run.
+        #[arg(long)]
+        test: Option<String>,
+        /// Boots per candidate (odd); the majority of passes and failures decides.
+        #[arg(long, default_value_t = 1)]
+        repeat: usize,
+        /// Boot the two ends first and stop unless they are good and bad.
+        #[arg(long)]
+        verify_ends: bool,
+        /// Extra kernel parameters for every candidate.
+        #[arg(long, default_value = "")]
+        append: String,
+        #[command(flatten)]
+        run: RunOpts,
+        #[command(flatten)]
+        kernel: kernel::KernelOpts,
+    },
+}
+
+#[derive(Subcommand)]
+enum ResultsCmd {
+    /// Join JUnit files (matrix shards) into one, totals recomputed.
+    Merge {
+        /// The merged file.
+        #[arg(short, long)]
+        output: PathBuf,
+        /// The files to join.
+        #[arg(required = true)]
+        inputs: Vec<PathBuf>,
+    },
+}
+
+#[derive(Subcommand)]
+enum KernelsCmd {
+    /// Rewrite images/kernels.lock from Debian's archive: every Debian 12 kernel it serves
+    /// (linux-image-6.1.0-N-amd64, linux-image-6.12.N+deb12-amd64), newest version, sha256.
+    Update,
+    /// List the pinned kernels, oldest first.
+    List,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -222,6 +337,17 @@ enum BenchCmd {
         #[arg(long, value_enum, default_value = "auto")]
         runner: RunnerArg,
     },
+    /// TCP and ib_write_bw throughput between the two guests of the two-node cluster:
+    /// gdrvm (virtio-net on its userspace wire) against QEMU (virtio-net-pci on a unix
+    /// dgram netdev), same kernel and initramfs, alternating; ratios gdrvm / QEMU.
+    Net {
+        /// Runs of each VMM (the median is reported).
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+        /// Where VMs run.
+        #[arg(long, value_enum, default_value = "auto")]
+        runner: RunnerArg,
+    },
     /// Guest reads of a passed-through BAR (vfio-lab's ivshmem), mapped and trapped, each
     /// against guest RAM reads in the same guest; nested, in the lab L1.
     Vfio {
@@ -240,8 +366,26 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let code = match cli.command {
         Cmd::Image => build::artifacts().map(|_| exit::PASS),
-        Cmd::Boot { suites, shell, append, run } => boot(&suites, shell, &append, &run),
-        Cmd::Test { cargo_args } => test(&cargo_args),
+        Cmd::Boot { suites, shell, append, repeat, run, kernel } => {
+            boot(&suites, shell, &append, repeat, &run, &kernel)
+        }
+        Cmd::Kernels { what } => kernels(what),
+        Cmd::Test { matrix: Some(path), shard, junit, runner, .. } => test_matrix(&path, shard, junit, runner),
+        Cmd::Test { cargo_args, .. } => test(&cargo_args),
+        Cmd::Results { what: ResultsCmd::Merge { output, inputs } } => merge_results(&output, &inputs),
+        Cmd::Bisect { kernels, candidates, good, bad, suites, test, repeat, verify_ends, append, run, kernel } => {
+            let candidates = match (kernels, candidates) {
+                (_, Some(file)) => regress::Candidates::File(file),
+                (true, None) => regress::Candidates::Kernels,
+                (false, None) => {
+                    eprintln!("xtask: usage: bisect needs --kernels or --candidates FILE");
+                    return ExitCode::from(exit::USAGE as u8);
+                }
+            };
+            let args = regress::BisectArgs { candidates, good, bad, test, repeat, verify_ends };
+            bisect(&args, &suites, &append, &run, &kernel)
+        }
+        Cmd::Parity { host, guest, html } => parity::run(&host, &guest, html.as_deref()),
         Cmd::Repin => repin(),
         Cmd::VfioBind { bdfs, restore } => vfio_bind::run(&bdfs, restore),
         Cmd::Soak { boots, kill, seed, vmm, per_l1, suites, l1, runner: arg } => {
@@ -259,6 +403,7 @@ fn main() -> ExitCode {
         Cmd::Bench { what: BenchCmd::Ecam } => bench::ecam().map(|_| exit::PASS),
         Cmd::Bench { what: BenchCmd::Vfio { rounds } } => bench_vfio(rounds),
         Cmd::Bench { what: BenchCmd::P2p { rounds, runner: arg } } => bench_p2p(rounds, arg),
+        Cmd::Bench { what: BenchCmd::Net { rounds, runner: arg } } => bench_net(rounds, arg),
     };
     match code {
         Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
@@ -343,19 +488,125 @@ fn repin() -> Result<i32> {
     Ok(exit::PASS)
 }
 
-fn boot(suites: &[String], shell: bool, append: &str, opts: &RunOpts) -> Result<i32> {
+/// `cargo xtask test --matrix FILE`.
+fn test_matrix(
+    path: &std::path::Path,
+    shard: Option<matrix::Shard>,
+    junit: Option<PathBuf>,
+    arg: RunnerArg,
+) -> Result<i32> {
+    let m = match matrix::Matrix::load(path) {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("xtask: usage: {e:#}");
+            return Ok(exit::USAGE);
+        }
+    };
+    let artifacts = build::artifacts()?;
+    let junit = junit.unwrap_or_else(|| {
+        let shard = shard.map(|s| format!("-{}-of-{}", s.index, s.count)).unwrap_or_default();
+        gdrvm_dir().join("results").join(format!("matrix-{}{shard}.xml", m.name))
+    });
+    let base = regress::GuestPlan {
+        node: None,
+        suites: Vec::new(),
+        append: String::new(),
+        cpus: m.run.cpus.unwrap_or(2),
+        memory: m.run.memory.clone().unwrap_or_else(|| "1G".into()),
+        timeout: Duration::from_secs(m.run.timeout.unwrap_or(300)),
+    };
+    run_interruptible(async {
+        let runner = std::sync::Arc::new(runner(artifacts, arg, false).await?);
+        regress::run_matrix(runner, &m, shard, &base, &junit).await
+    })
+}
+
+/// `cargo xtask results merge -o OUT IN...`.
+fn merge_results(output: &std::path::Path, inputs: &[PathBuf]) -> Result<i32> {
+    let merged = matrix::merge(inputs)?;
+    std::fs::write(output, merged).with_context(|| format!("writing {}", output.display()))?;
+    println!("xtask: results: {} file(s) merged into {}", inputs.len(), output.display());
+    Ok(exit::PASS)
+}
+
+/// `cargo xtask bisect`.
+fn bisect(
+    args: &regress::BisectArgs,
+    suites: &[String],
+    append: &str,
+    opts: &RunOpts,
+    kernel: &kernel::KernelOpts,
+) -> Result<i32> {
+    let plan = regress::GuestPlan {
+        node: opts.node.clone(),
+        suites: suites.to_vec(),
+        append: append.to_owned(),
+        cpus: opts.cpus.unwrap_or(2),
+        memory: opts.memory.clone(),
+        timeout: Duration::from_secs(opts.timeout),
+    };
+    let artifacts = build::artifacts()?;
+    run_interruptible(async {
+        let runner = runner(artifacts, opts.runner, false).await?;
+        regress::run_bisect(&runner, args, kernel, &plan).await
+    })
+}
+
+/// `cargo xtask kernels update|list`.
+fn kernels(what: KernelsCmd) -> Result<i32> {
+    let path = gdrvm_images::lock_path();
+    match what {
+        KernelsCmd::Update => {
+            host::require_commands(&[("apt-get", "apt")])?;
+            let archive = gdrvm_images::Archive::system();
+            let progress = |line: &str| println!("xtask: kernels: {line}");
+            let c = gdrvm_images::update_kernel_lock(&path, &archive, &progress)?;
+            println!(
+                "xtask: kernels: {}: {} added, {} removed, {} moved",
+                path.display(),
+                c.added.len(),
+                c.removed.len(),
+                c.moved.len()
+            );
+            for line in c.added.iter().map(|k| format!("+ {k}")).chain(c.removed.iter().map(|k| format!("- {k}"))) {
+                println!("xtask: kernels: {line}");
+            }
+            for m in &c.moved {
+                println!("xtask: kernels: ~ {m}");
+            }
+        }
+        KernelsCmd::List => {
+            for k in gdrvm_images::KernelLock::load(&path)?.kernels {
+                println!("{}\t{}", k.id(), k.version);
+            }
+        }
+    }
+    Ok(exit::PASS)
+}
+
+fn boot(
+    suites: &[String],
+    shell: bool,
+    append: &str,
+    repeat: usize,
+    opts: &RunOpts,
+    kernel: &kernel::KernelOpts,
+) -> Result<i32> {
+    if repeat % 2 == 0 {
+        eprintln!("xtask: usage: --repeat takes an odd number (a majority must exist), not {repeat}");
+        return Ok(exit::USAGE);
+    }
     let mut spec = VmSpec {
         name: "boot".into(),
         vmm: Vmm::Gdrvm,
         image: BootImage { kernel: PathBuf::new(), initrd: PathBuf::new() },
         node: opts.node.clone(),
+        cluster: opts.cluster.clone().map(|cluster| ClusterSpec { cluster, kill: None, qemu: false }),
         cmdline: if shell {
-            format!("console=ttyS0 quiet panic=-1 gdrvm.shell {append}")
+            format!("console=ttyS0 quiet panic=-1 gdrvm.shell {append}").trim_end().to_owned()
         } else {
-            format!("console=ttyS0 quiet panic=-1 gdrvm.suites={} {append}", suites.join(","))
-        }
-        .trim_end()
-        .to_owned(),
+            regress::suites_cmdline(suites, append)
+        },
         cpus: opts.cpus.unwrap_or(2),
         memory: opts.memory.clone(),
         timeout: Duration::from_secs(opts.timeout),
@@ -369,8 +620,18 @@ fn boot(suites: &[String], shell: bool, append: &str, opts: &RunOpts) -> Result<
         eprintln!("xtask: usage: {e}");
         return Ok(exit::USAGE);
     }
+    if let Some(cluster) = &opts.cluster {
+        if shell {
+            eprintln!("xtask: usage: --shell takes one guest, not a cluster");
+            return Ok(exit::USAGE);
+        }
+        if let Err(e) = gdrvm_model::cluster::Cluster::resolve(cluster) {
+            eprintln!("xtask: usage: {e}");
+            return Ok(exit::USAGE);
+        }
+    }
     let artifacts = build::artifacts()?;
-    spec.image = artifacts.guest.clone();
+    spec.image = if kernel.is_default() { artifacts.guest.clone() } else { build::custom_guest(kernel)? };
     // A lab node's devices exist only in its L1.
     let arg = if spec.needs_lab() && matches!(opts.runner, RunnerArg::Auto) { RunnerArg::Nested } else { opts.runner };
     run_interruptible(async {
@@ -378,6 +639,9 @@ fn boot(suites: &[String], shell: bool, append: &str, opts: &RunOpts) -> Result<
         if shell {
             println!("xtask: shell on the guest console; Ctrl-A x quits");
             return Ok(runner.run_interactive(&spec).await?);
+        }
+        if repeat > 1 || spec.cmdline.contains(regress::ATTEMPT) {
+            return regress::boot_repeated(&runner, &spec, repeat, report).await;
         }
         let results = runner.run(std::slice::from_ref(&spec)).await?;
         let result = results.first().context("the runner returned no result")?;
@@ -451,6 +715,16 @@ fn bench_p2p(rounds: usize, arg: RunnerArg) -> Result<i32> {
     run_interruptible(async {
         let runner = runner(artifacts, arg, false).await?;
         bench::p2p(&runner, rounds).await?;
+        Ok(exit::PASS)
+    })
+}
+
+fn bench_net(rounds: usize, arg: RunnerArg) -> Result<i32> {
+    let artifacts = build::artifacts()?;
+    host::require_commands(&[("qemu-system-x86_64", "qemu-system-x86")])?;
+    run_interruptible(async {
+        let runner = runner(artifacts, arg, false).await?;
+        bench::net(&runner, rounds).await?;
         Ok(exit::PASS)
     })
 }
@@ -541,7 +815,16 @@ fn single_rust_vmm_versions() -> Result<()> {
 
 fn test(cargo_args: &[String]) -> Result<i32> {
     single_rust_vmm_versions()?;
-    host::require_commands(&[("iasl", "acpica-tools"), ("qemu-system-x86_64", "qemu-system-x86")])?;
+    // git, make and gcc build the regression tests' out-of-tree driver; xmllint checks
+    // their JUnit against the schema.
+    host::require_commands(&[
+        ("iasl", "acpica-tools"),
+        ("qemu-system-x86_64", "qemu-system-x86"),
+        ("git", "git"),
+        ("make", "make"),
+        ("gcc", "gcc"),
+        ("xmllint", "libxml2-utils"),
+    ])?;
     build::artifacts()?;
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     println!("xtask: unit and integration tests");

@@ -65,6 +65,7 @@ pub async fn soak(runner: &Runner, plan: &SoakPlan) -> Result<i32> {
         vmm: plan.vmm,
         image: runner.artifacts.guest.clone(),
         node: None,
+        cluster: None,
         cmdline: format!("console=ttyS0 quiet panic=-1 gdrvm.suites={}", plan.suites),
         cpus: 2,
         memory: "1G".into(),

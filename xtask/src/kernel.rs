@@ -1,0 +1,199 @@
+//! Which kernel a guest boots and which out-of-tree modules it loads: `--kernel
+//! debian:<name>` (pinned in images/kernels.lock), `--kernel PATH --modules DIR` (a kernel
+//! built from a tree), `--module-src DIR` (a Kbuild module built against that kernel's
+//! headers). Anything that makes a candidate untestable (a kernel not pinned, a module
+//! that does not build) is an error, which `cargo xtask` reports as 125.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+use gdrvm_harness::{gdrvm_dir, BootImage};
+use gdrvm_images::{Cache, Customization, KernelLock, KernelSource, Recipe, DEBIAN_PREFIX};
+use sha2::{Digest, Sha256};
+
+/// The kernel options `boot`, `test --matrix` and `bisect` share.
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct KernelOpts {
+    /// The guest's kernel: `debian:6.1.0-47`, `debian:6.12.117+deb12` (pinned in
+    /// images/kernels.lock), or a bzImage/vmlinux built from a tree (with --modules).
+    #[arg(long)]
+    pub kernel: Option<String>,
+    /// With --kernel PATH: the INSTALL_MOD_PATH of `make modules_install` (or its
+    /// lib/modules/<release>).
+    #[arg(long, requires = "kernel")]
+    pub modules: Option<PathBuf>,
+    /// An out-of-tree kernel module's source (a Kbuild directory): built against the
+    /// kernel's headers, put in the image and loaded before the suites.
+    #[arg(long)]
+    pub module_src: Option<PathBuf>,
+}
+
+impl KernelOpts {
+    /// Whether anything differs from the default image.
+    pub fn is_default(&self) -> bool {
+        self.kernel.as_deref().is_none_or(|k| k == "default") && self.module_src.is_none()
+    }
+}
+
+/// The kernel `opts` name, as an image source, with its release and where its headers
+/// (Kbuild tree) are once installed; `None` for the recipe's own kernel.
+fn kernel_source(opts: &KernelOpts, recipe: &Recipe) -> Result<(Option<KernelSource>, String, String)> {
+    match opts.kernel.as_deref() {
+        None | Some("default") => Ok((None, recipe.kernel.release.clone(), recipe.kernel.release.clone())),
+        Some(k) if k.starts_with(DEBIAN_PREFIX) => {
+            let lock = KernelLock::load(&gdrvm_images::lock_path())?;
+            let locked = lock.find(k)?;
+            let package = locked.kernel_package();
+            let release = package.release.clone();
+            Ok((Some(KernelSource::Package(package)), release, locked.name.clone()))
+        }
+        Some(path) => {
+            let image = PathBuf::from(path);
+            if !image.is_file() {
+                bail!("--kernel {path}: no such file (a kernel is debian:<name> or a bzImage/vmlinux path)");
+            }
+            let Some(modules) = &opts.modules else {
+                bail!(
+                    "--kernel {path} needs --modules DIR (where `make modules_install INSTALL_MOD_PATH=DIR` put them)"
+                )
+            };
+            let data = std::fs::read(&image).with_context(|| format!("reading {path}"))?;
+            let digest: String = Sha256::digest(&data).iter().take(6).map(|b| format!("{b:02x}")).collect();
+            let source = KernelSource::Built { image, modules: modules.clone() };
+            Ok((Some(source), String::new(), format!("built-{digest}")))
+        }
+    }
+}
+
+/// Builds the guest image `opts` asks for (the default recipe with that kernel and module),
+/// the agent and verbs helper added as in the default image.
+pub fn guest_image(opts: &KernelOpts, extras: &[gdrvm_images::ExtraFile]) -> Result<BootImage> {
+    let recipe = Recipe::load(&gdrvm_images::recipes_dir().join("default.toml"))?;
+    let (kernel, release, label) = kernel_source(opts, &recipe)?;
+    let cache = Cache::new(gdrvm_dir().join("cache"));
+    let progress = |line: &str| println!("xtask: image: {line}");
+    let mut custom = Customization { kernel, user_modules: Vec::new(), extras: extras.to_vec() };
+    let mut name = format!("default@{label}");
+    if let Some(src) = &opts.module_src {
+        let headers = headers_dir(opts, &release, &custom)?;
+        custom.user_modules = build_module(src, &headers, &format!("{}@{label}", dir_label(src)))?;
+        name.push_str(&format!("+{}", dir_label(src)));
+    }
+    let built = gdrvm_images::build_custom(&recipe, &custom, &name, &cache, &progress)?;
+    println!(
+        "xtask: image {name}: kernel {}, {} ({})",
+        built.manifest.kernel_release,
+        built.initramfs.display(),
+        if built.rebuilt { "built" } else { "up to date" }
+    );
+    Ok(BootImage { kernel: built.vmlinux, initrd: built.initramfs })
+}
+
+/// A short, file-name-safe label for a source directory: its name and a hash of its path.
+fn dir_label(dir: &Path) -> String {
+    let abs = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_owned());
+    let name: String = abs
+        .file_name()
+        .map(|n| n.to_string_lossy().chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect())
+        .unwrap_or_default();
+    let digest: String =
+        Sha256::digest(abs.to_string_lossy().as_bytes()).iter().take(4).map(|b| format!("{b:02x}")).collect();
+    format!("{name}-{digest}")
+}
+
+/// Where the kernel's Kbuild tree is: Debian's `linux-headers-<release>` (installed when
+/// missing, with gcc and make), or a built kernel's `lib/modules/<release>/build`.
+fn headers_dir(opts: &KernelOpts, release: &str, custom: &Customization) -> Result<PathBuf> {
+    crate::host::require_commands(&[("make", "make"), ("gcc", "gcc")])?;
+    if let Some(KernelSource::Built { modules, .. }) = &custom.kernel {
+        let build = find_build_link(modules).with_context(|| {
+            format!("--modules {}: no lib/modules/<release>/build link to the kernel tree", modules.display())
+        })?;
+        return Ok(build);
+    }
+    let package = format!("linux-headers-{release}");
+    crate::host::require_packages(&[&package]).with_context(|| {
+        format!("the headers of kernel {} ({package})", opts.kernel.as_deref().unwrap_or("default"))
+    })?;
+    let dir = PathBuf::from(format!("/usr/src/{package}"));
+    if !dir.join("Makefile").is_file() {
+        bail!("{package} is installed but {} has no Makefile", dir.display());
+    }
+    Ok(dir)
+}
+
+/// `lib/modules/<release>/build` under a modules_install directory (or that directory).
+fn find_build_link(modules: &Path) -> Option<PathBuf> {
+    let direct = modules.join("build");
+    if direct.join("Makefile").is_file() {
+        return Some(direct);
+    }
+    std::fs::read_dir(modules.join("lib/modules"))
+        .ok()?
+        .filter_map(Result::ok)
+        .map(|e| e.path().join("build"))
+        .find(|b| b.join("Makefile").is_file())
+}
+
+/// Builds the Kbuild module in `src` against `headers` in a copy of the source (the user's
+/// tree is left as it was) named `work` (one per source and kernel, so a matrix's lanes do
+/// not share one), returns the .ko files. A module that does not build is an error
+/// carrying the compiler's words.
+fn build_module(src: &Path, headers: &Path, work: &str) -> Result<Vec<PathBuf>> {
+    if !src.join("Kbuild").is_file() && !src.join("Makefile").is_file() {
+        bail!("--module-src {}: no Kbuild or Makefile there", src.display());
+    }
+    let work = gdrvm_dir().join("cache").join("module-src").join(work);
+    if work.exists() {
+        std::fs::remove_dir_all(&work).with_context(|| format!("clearing {}", work.display()))?;
+    }
+    copy_tree(src, &work).with_context(|| format!("copying {} to {}", src.display(), work.display()))?;
+    println!("xtask: module-src: building {} against {}", src.display(), headers.display());
+    let out = Command::new("make")
+        .arg("-C")
+        .arg(headers)
+        .arg(format!("M={}", work.display()))
+        .arg("modules")
+        .output()
+        .context("running make")?;
+    if !out.status.success() {
+        let text = String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+        let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+        let errors: Vec<&str> = lines.iter().copied().filter(|l| l.contains("error")).take(10).collect();
+        let words = if errors.is_empty() { lines[lines.len().saturating_sub(10)..].to_vec() } else { errors };
+        bail!("module in {} does not build against {}:\n{}", src.display(), headers.display(), words.join("\n"));
+    }
+    let mut kos: Vec<PathBuf> = std::fs::read_dir(&work)?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "ko"))
+        .collect();
+    kos.sort();
+    if kos.is_empty() {
+        bail!("module in {} built no .ko (is obj-m set in its Kbuild?)", src.display());
+    }
+    Ok(kos)
+}
+
+/// Copies regular files and directories of `from` into `to`, leaving out `.git` and build
+/// products of earlier in-tree builds.
+fn copy_tree(from: &Path, to: &Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(to)?;
+    for entry in std::fs::read_dir(from)? {
+        let entry = entry?;
+        let name = entry.file_name();
+        let n = name.to_string_lossy();
+        if n == ".git" || [".o", ".ko", ".cmd", ".mod", ".mod.c", ".order", ".symvers"].iter().any(|x| n.ends_with(x)) {
+            continue;
+        }
+        // Symlinks are followed: a Kbuild tree may link shared sources in.
+        let kind = std::fs::metadata(entry.path())?.file_type();
+        if kind.is_dir() {
+            copy_tree(&entry.path(), &to.join(&name))?;
+        } else if kind.is_file() {
+            std::fs::copy(entry.path(), to.join(&name))?;
+        }
+    }
+    Ok(())
+}
