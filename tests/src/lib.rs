@@ -10,7 +10,7 @@
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use gdrvm_harness::{Artifacts, Runner, RunnerChoice, VmResult, VmSpec, Vmm};
+use gdrvm_harness::{Artifacts, ClusterSpec, Runner, RunnerChoice, VmResult, VmSpec, Vmm};
 
 /// Names of the guests in the batch.
 pub mod guests {
@@ -42,7 +42,17 @@ pub mod guests {
     pub const NIC_ERRORS: &str = "minimal-nic-errors-2cpu-1g";
     /// minimal whose NIC emulator stops answering mid-suite.
     pub const NIC_HANGS: &str = "minimal-nic-hangs-2cpu-1g";
+    /// minimal with virtio-net for nic0 (no wire) under the virtio chaos suite.
+    pub const VIRTIO_NET: &str = "minimal-virtio-net-2cpu-1g";
+    /// The two-node cluster: two minimal nodes joined NIC to NIC, soft-RoCE between them.
+    pub const TWO_NODE: &str = "two-node-1cpu-768m";
+    /// two-node whose node b's VMM is killed once the rdma suite starts pairing.
+    pub const TWO_NODE_KILLED: &str = "two-node-b-killed-1cpu-768m";
 }
+
+/// The line the rdma suite prints as its pair tests start; the killed-peer test kills node
+/// b's VMM there.
+pub const PAIR_STARTED: &str = "# rdma: pairing with";
 
 /// The register write of the gdr suite's NIC at which the fault tests' emulator fails:
 /// past the register checks and the ring set-up, among the transfers.
@@ -75,6 +85,9 @@ fn specs(a: &Artifacts) -> Result<Vec<VmSpec>, String> {
     let no_p2p = variant_node("vfio-lab", "vfio-lab-no-p2p", p2p_off)?;
     let minimal_no_p2p = variant_node("minimal", "minimal-no-p2p", p2p_off)?;
     let (dies, errors, hangs) = (faulty_nic("exit")?, faulty_nic("error")?, faulty_nic("hang")?);
+    let virtio_net = variant_node("minimal", "minimal-virtio-net", |t| {
+        t.replacen("backing = \"emulated-nic\"", "backing = \"virtio-net\"\nmtu = 9000", 1)
+    })?;
     let spec = |name: &str, cmdline: &str, cpus: u32, memory: &str| VmSpec {
         name: name.into(),
         vmm: Vmm::Gdrvm,
@@ -89,6 +102,14 @@ fn specs(a: &Artifacts) -> Result<Vec<VmSpec>, String> {
             guests::NIC_DIES => Some(dies.clone()),
             guests::NIC_ERRORS => Some(errors.clone()),
             guests::NIC_HANGS => Some(hangs.clone()),
+            guests::VIRTIO_NET => Some(virtio_net.clone()),
+            _ => None,
+        },
+        cluster: match name {
+            guests::TWO_NODE => Some(ClusterSpec { cluster: "two-node".into(), kill: None, qemu: false }),
+            guests::TWO_NODE_KILLED => {
+                Some(ClusterSpec { cluster: "two-node".into(), kill: Some(format!("b:{PAIR_STARTED}")), qemu: false })
+            }
             _ => None,
         },
         cmdline: cmdline.into(),
@@ -101,14 +122,18 @@ fn specs(a: &Artifacts) -> Result<Vec<VmSpec>, String> {
         spec(guests::SMOKE, "console=ttyS0 quiet panic=-1 gdrvm.suites=smoke", 2, "1G"),
         spec(guests::SMOKE_SMALL, "console=ttyS0 quiet panic=-1 gdrvm.suites=smoke", 1, "512M"),
         spec(guests::NO_INIT, "console=ttyS0 quiet panic=-1 rdinit=/no/such/init", 1, "256M"),
-        spec(guests::VELA_NUMA, "console=ttyS0 quiet panic=-1 gdrvm.suites=smoke,topology", 4, "1G"),
-        spec(guests::FLAT, "console=ttyS0 quiet panic=-1 gdrvm.suites=smoke,topology", 2, "1G"),
+        spec(guests::VELA_NUMA, "console=ttyS0 quiet panic=-1 gdrvm.suites=smoke,topology,capture", 4, "1G"),
+        spec(guests::FLAT, "console=ttyS0 quiet panic=-1 gdrvm.suites=smoke,topology,capture", 2, "1G"),
         // Emulated GPU and NIC: the GPUDirect path, its P2P-off negative, and devices that die.
-        spec(guests::MINIMAL, "console=ttyS0 quiet panic=-1 gdrvm.suites=smoke,topology,gdr", 2, "1G"),
+        spec(guests::MINIMAL, "console=ttyS0 quiet panic=-1 gdrvm.suites=smoke,topology,capture,gdr", 2, "1G"),
         spec(guests::MINIMAL_NO_P2P, "console=ttyS0 quiet panic=-1 gdrvm.suites=gdr", 2, "1G"),
         spec(guests::NIC_DIES, "console=ttyS0 quiet panic=-1 gdrvm.suites=gdr", 2, "1G"),
         spec(guests::NIC_ERRORS, "console=ttyS0 quiet panic=-1 gdrvm.suites=gdr", 2, "1G"),
         spec(guests::NIC_HANGS, "console=ttyS0 quiet panic=-1 gdrvm.suites=gdr", 2, "1G"),
+        // virtio-net and the fabric: malformed descriptors, then two nodes over a wire.
+        spec(guests::VIRTIO_NET, "console=ttyS0 quiet panic=-1 gdrvm.suites=topology,virtio", 2, "1G"),
+        spec(guests::TWO_NODE, "console=ttyS0 quiet panic=-1 tsc=reliable gdrvm.suites=rdma,topology", 1, "768M"),
+        spec(guests::TWO_NODE_KILLED, "console=ttyS0 quiet panic=-1 tsc=reliable gdrvm.suites=rdma", 1, "768M"),
         // One vCPU: see the vfio-lab preset. Both share one lab L1.
         spec(guests::VFIO_LAB, "console=ttyS0 quiet panic=-1 gdrvm.suites=vfio,topology", 1, "1G"),
         spec(guests::VFIO_LAB_NO_P2P, "console=ttyS0 quiet panic=-1 gdrvm.suites=vfio", 1, "1G"),
@@ -122,6 +147,14 @@ fn specs(a: &Artifacts) -> Result<Vec<VmSpec>, String> {
             "1G",
         ),
     ])
+}
+
+/// What node `node` of a cluster run reported: its console lines (the cluster prefixes
+/// them with `[node] `) parsed as KTAP on their own.
+pub fn node_report(r: &VmResult, node: &str) -> gdrvm_harness::ktap::KtapReport {
+    let prefix = format!("[{node}] ");
+    let lines: Vec<&str> = r.console.iter().filter_map(|l| l.strip_prefix(prefix.as_str())).collect();
+    gdrvm_harness::ktap::parse(&lines.join("\n"))
 }
 
 /// Why the end-to-end tests cannot run, or the artifacts to run with.
@@ -150,7 +183,25 @@ fn run_batch() -> Result<Vec<VmResult>, String> {
 
 /// What a guest's result looks like in an assertion message: outcome, problem, last lines.
 pub fn dump(r: &VmResult) -> String {
-    format!("{:?} {:?}\n{}", r.outcome, r.problem(), r.tail().join("\n"))
+    let mut text = format!("{:?} {:?}\n{}", r.outcome, r.problem(), r.tail().join("\n"));
+    // A cluster's console interleaves its nodes (`[a] ...`): each node's own last lines too.
+    let mut nodes: Vec<&str> = r
+        .console
+        .iter()
+        .filter_map(|l| l.strip_prefix('[')?.split_once("] ").map(|(n, _)| n))
+        .filter(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit()) && *n != "l1")
+        .collect();
+    nodes.sort_unstable();
+    nodes.dedup();
+    for node in nodes {
+        let prefix = format!("[{node}] ");
+        let lines: Vec<&str> = r.console.iter().filter(|l| l.starts_with(&prefix)).map(String::as_str).collect();
+        text.push_str(&format!(
+            "\n--- node {node}, last lines:\n{}",
+            lines[lines.len().saturating_sub(25)..].join("\n")
+        ));
+    }
+    text
 }
 
 /// Guest `name`'s result and its [`dump`], or None after test `test` printed a SKIP.

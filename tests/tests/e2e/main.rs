@@ -4,8 +4,11 @@
 mod apt_lists;
 mod bad_input;
 mod boot;
+mod capture;
 mod emulated;
+mod fabric;
 mod nested_failure;
 mod numa;
 mod pci;
+mod regress;
 mod vfio;

@@ -26,6 +26,7 @@ fn test_broken_l1_image_ends_cannot_test_with_the_reason() {
         vmm: Vmm::Gdrvm,
         image: a.guest.clone(),
         node: None,
+        cluster: None,
         cmdline: "console=ttyS0 quiet panic=-1 gdrvm.suites=smoke".into(),
         cpus: 1,
         memory: "512M".into(),
