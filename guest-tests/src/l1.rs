@@ -1,13 +1,15 @@
 //! The agent's L1 role in nested runs: on a host whose KVM cannot boot a stock kernel, the
 //! harness boots L1 under QEMU TCG with this agent as init. It runs the host's VM jobs
 //! (gdrvm, or QEMU for comparisons) on L1's `/dev/kvm` and relays each job's output, the
-//! time to its first KTAP line and its exit status as marker lines.
+//! time to its first KTAP line, the exits KVM counted until then, and its exit status as
+//! marker lines.
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use gdrvm_model::kvm_exits::{KvmExits, DEBUGFS_KVM};
 use gdrvm_model::l1::{job_output_prefix, L1Job, L1Jobs, IN_L1_ENV, JOBS_PATH, LEFT_BEHIND, MARKER};
 
 /// Exit status of L1 when it could not run its jobs.
@@ -34,6 +36,11 @@ pub fn run() -> u8 {
             println!("{MARKER}error cannot bind L1's {bdf} to vfio-pci: {e}");
             return CANNOT_TEST;
         }
+    }
+    // KVM's exit counters per VM live in debugfs; without it the jobs still run, and the
+    // host reads no counts.
+    if let Err(e) = crate::sys::mount("debugfs", "/sys/kernel/debug", "debugfs") {
+        println!("# gdrvm-l1: cannot mount debugfs, no exit counts: {e}");
     }
     println!("{MARKER}ready");
     for (i, job) in jobs.jobs.iter().enumerate() {
@@ -118,17 +125,30 @@ fn run_attached(job: &L1Job) -> std::io::Result<Option<i32>> {
     Ok(Some(code(command(job).status()?)))
 }
 
-/// Relays a job's output; with `started`, also reports when the first KTAP line arrived.
-fn relay(job: usize, stream: impl Read + Send + 'static, started: Option<Instant>) -> std::thread::JoinHandle<()> {
+/// Relays a job's output; with `first_ktap` (when the job started, and its pid), also
+/// reports when the first KTAP line arrived and the exits KVM counted for the job's VM
+/// until then.
+fn relay(
+    job: usize,
+    stream: impl Read + Send + 'static,
+    first_ktap: Option<(Instant, u32)>,
+) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let prefix = job_output_prefix(job);
-        let mut started = started;
+        let mut first_ktap = first_ktap;
         for line in BufReader::new(stream).split(b'\n').map_while(Result::ok) {
             let line = String::from_utf8_lossy(&line);
             let line = line.trim_end_matches('\r');
             if line == "KTAP version 1" {
-                if let Some(t) = started.take() {
+                if let Some((t, pid)) = first_ktap.take() {
                     println!("{MARKER}job {job} ktap {}", t.elapsed().as_millis());
+                    match KvmExits::read(Path::new(DEBUGFS_KVM), pid) {
+                        Ok(exits) => match serde_json::to_string(&exits) {
+                            Ok(json) => println!("{MARKER}job {job} exits {json}"),
+                            Err(e) => println!("# gdrvm-l1: job {job}: exit counts: {e}"),
+                        },
+                        Err(e) => println!("# gdrvm-l1: job {job}: no exit counts: {e}"),
+                    }
                 }
             }
             println!("{prefix}{line}");
@@ -139,11 +159,14 @@ fn relay(job: usize, stream: impl Read + Send + 'static, started: Option<Instant
 fn run_relayed(i: usize, job: &L1Job) -> std::io::Result<Option<i32>> {
     let started = Instant::now();
     let mut child = command(job).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
-    let relays: Vec<_> =
-        [child.stdout.take().map(|s| relay(i, s, Some(started))), child.stderr.take().map(|s| relay(i, s, None))]
-            .into_iter()
-            .flatten()
-            .collect();
+    let pid = child.id();
+    let relays: Vec<_> = [
+        child.stdout.take().map(|s| relay(i, s, Some((started, pid)))),
+        child.stderr.take().map(|s| relay(i, s, None)),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
     let result = wait_with_deadline(&mut child, Duration::from_secs(job.timeout_secs));
     // Whatever the job started must have ended with it (a VMM's device emulators): report
     // and kill what did not, before waiting for the relays its pipes would hold open.

@@ -15,6 +15,9 @@ pub enum L1Line<'a> {
     JobOutput(usize, &'a str),
     /// Job `n` printed its first KTAP line `millis` after it started.
     JobKtap { job: usize, millis: u64 },
+    /// The exits KVM counted for job `n`'s VM until its first KTAP line (JSON of
+    /// [`gdrvm_model::kvm_exits::KvmExits`]).
+    JobExits { job: usize, json: &'a str },
     /// Job `n` exited with `code` after `millis`.
     JobExit { job: usize, code: i32, millis: u64 },
     /// Job `n` ran past its timeout and was killed.
@@ -43,6 +46,7 @@ pub fn classify(line: &str) -> L1Line<'_> {
                 (Ok(job), Ok(millis)) => L1Line::JobKtap { job, millis },
                 _ => L1Line::Other(line),
             },
+            ["job", n, "exits", json] => n.parse().map_or(L1Line::Other(line), |job| L1Line::JobExits { job, json }),
             ["job", n, "exit", code, ms] => match (n.parse(), code.parse(), ms.parse()) {
                 (Ok(job), Ok(code), Ok(millis)) => L1Line::JobExit { job, code, millis },
                 _ => L1Line::Other(line),
@@ -76,6 +80,10 @@ mod tests {
             L1Line::Stuck("stuck task 91 (vcpu0) state R wchan 0")
         );
         assert_eq!(classify("@@gdrvm-l1 job 3 ktap 9120"), L1Line::JobKtap { job: 3, millis: 9120 });
+        assert_eq!(
+            classify(r#"@@gdrvm-l1 job 3 exits {"exits":812,"io_exits":90}"#),
+            L1Line::JobExits { job: 3, json: r#"{"exits":812,"io_exits":90}"# }
+        );
         assert_eq!(
             classify("@@gdrvm-l1 error no /dev/kvm: kvm_amd: ENODEV"),
             L1Line::Error("no /dev/kvm: kvm_amd: ENODEV")

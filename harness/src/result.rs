@@ -3,6 +3,8 @@
 
 use std::time::Duration;
 
+use gdrvm_model::kvm_exits::KvmExits;
+
 use crate::ktap::{self, KtapReport};
 use crate::oops::{self, Oops};
 
@@ -53,6 +55,9 @@ pub struct VmResult {
     pub elapsed: Duration,
     /// From starting the VMM to the agent's first KTAP line.
     pub time_to_ktap: Option<Duration>,
+    /// The exits KVM counted for the VM until its first KTAP line, where the kernel's
+    /// counters could be read (debugfs, as root).
+    pub kvm_exits: Option<KvmExits>,
     /// Figures gdrvm reported about itself (`--stats`).
     pub stats: Option<GdrvmStats>,
     /// L1 failures while this VM ran (nested runs); the VM ran again in a fresh L1 after
@@ -105,15 +110,24 @@ impl L1Incident {
 }
 
 /// What `gdrvm run --stats` reports.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
 pub struct GdrvmStats {
     /// Process start to the boot CPU's first KVM_RUN, in µs.
     pub setup_us: Option<u64>,
+    /// That time by phase, in order: name and µs.
+    #[serde(default)]
+    pub phases: Vec<(String, u64)>,
     /// Resident memory beyond guest RAM, in KiB.
     pub rss_beyond_guest_kib: Option<u64>,
     /// Guest configuration writes passed-through devices' firewalls dropped.
     #[serde(default)]
     pub dropped_config_writes: u64,
+    /// Exits the VMM served, to the end of the run.
+    #[serde(default)]
+    pub vmm_exits: u64,
+    /// The most frequent of them by kind and device (`pio 0x3f8 (COM1)`), with counts.
+    #[serde(default)]
+    pub vmm_exit_kinds: Vec<(String, u64)>,
 }
 
 /// Prefix of gdrvm's stats line on stderr.
@@ -133,6 +147,7 @@ impl VmResult {
             console,
             elapsed,
             time_to_ktap: None,
+            kvm_exits: None,
             stats,
             l1_incidents: Vec::new(),
             silent_resets: 0,

@@ -2,9 +2,11 @@
 //! QEMU TCG boots, on L1's KVM; see [`crate::nested`]). Both stream the guest console,
 //! enforce timeouts and turn what happened into a [`VmResult`].
 
+use std::path::Path;
 use std::process::Stdio;
 use std::time::Instant;
 
+use gdrvm_model::kvm_exits::{KvmExits, DEBUGFS_KVM};
 use tokio::process::Command;
 
 use crate::artifacts::Artifacts;
@@ -92,6 +94,7 @@ impl Runner {
         cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
         let mut child = spawn(&mut cmd, &program, &[])?;
         let mut time_to_ktap = None;
+        let mut kvm_exits = None;
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
         forward_lines(child.stdout.take(), tx.clone());
         forward_lines(child.stderr.take(), tx);
@@ -104,6 +107,11 @@ impl Runner {
                     Some(line) => {
                         if line == "KTAP version 1" && time_to_ktap.is_none() {
                             time_to_ktap = Some(started.elapsed());
+                            kvm_exits = child.id().and_then(|pid| {
+                                KvmExits::read(Path::new(DEBUGFS_KVM), pid)
+                                    .map_err(|e| tracing::debug!("{}: no exit counts: {e}", spec.name))
+                                    .ok()
+                            });
                         }
                         self.take_line(&mut console, line);
                     }
@@ -117,6 +125,7 @@ impl Runner {
         };
         let mut result = VmResult::new(&spec.name, outcome, console, started.elapsed());
         result.time_to_ktap = time_to_ktap;
+        result.kvm_exits = kvm_exits;
         Ok(result)
     }
 

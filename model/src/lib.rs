@@ -5,7 +5,7 @@
 //! the agent never links the VMM (dependency arrows: agent ← model → vmm). The guest
 //! memory map ([`layout`]) lives here too, so that the node's PCI windows and the VMM's RAM
 //! and firmware are placed by one definition. A [`cluster`] joins nodes' NICs by wires and
-//! gives each guest its addresses.
+//! gives each guest its addresses. [`kvm_exits`] reads what a VM cost in exits.
 
 pub mod capture;
 pub mod cluster;
@@ -16,6 +16,7 @@ pub mod cluster;
 pub const GUEST_RESET_LINE: &str = "gdrvm: the guest reset without reporting a status";
 pub mod emulated;
 pub mod host_pci;
+pub mod kvm_exits;
 pub mod l1;
 pub mod layout;
 pub mod nccl;
