@@ -128,31 +128,33 @@ impl Bus {
         (offset.checked_add(size as u64)? <= entry.len).then(|| (offset, entry.device.clone()))
     }
 
-    /// Dispatches a read; returns false (and fills all-ones) when no device claims `addr`.
-    pub fn read(&self, addr: u64, data: &mut [u8]) -> bool {
+    /// Dispatches a read; returns the start of the range that claimed it, or None (and
+    /// fills all-ones) when no device claims `addr`.
+    pub fn read(&self, addr: u64, data: &mut [u8]) -> Option<u64> {
         match self.find(addr, data.len()) {
             Some((offset, device)) => {
                 lock(&device).read(offset, data);
-                true
+                Some(addr - offset)
             }
             None => {
                 data.fill(0xff);
                 self.note_unclaimed(addr, "read");
-                false
+                None
             }
         }
     }
 
-    /// Dispatches a write; returns false (and drops it) when no device claims `addr`.
-    pub fn write(&self, addr: u64, data: &[u8]) -> bool {
+    /// Dispatches a write; returns the start of the range that claimed it, or None (and
+    /// drops it) when no device claims `addr`.
+    pub fn write(&self, addr: u64, data: &[u8]) -> Option<u64> {
         match self.find(addr, data.len()) {
             Some((offset, device)) => {
                 lock(&device).write(offset, data);
-                true
+                Some(addr - offset)
             }
             None => {
                 self.note_unclaimed(addr, "write");
-                false
+                None
             }
         }
     }
@@ -229,15 +231,15 @@ mod tests {
         let bus = Bus::new("pio");
         bus.insert(dev.clone(), 0x3f8, 8).unwrap();
         let mut b = [0u8; 1];
-        assert!(bus.read(0x3fa, &mut b));
+        assert_eq!(bus.read(0x3fa, &mut b), Some(0x3f8));
         assert_eq!(b, [2]);
-        assert!(!bus.read(0x400, &mut b));
+        assert_eq!(bus.read(0x400, &mut b), None);
         assert_eq!(b, [0xff]);
         // An access straddling the end of a range is unclaimed.
         let mut w = [0u8; 2];
-        assert!(!bus.read(0x3ff, &mut w));
+        assert_eq!(bus.read(0x3ff, &mut w), None);
         assert_eq!(bus.unclaimed(), 2);
-        assert!(bus.write(0x3f9, &[7]));
+        assert_eq!(bus.write(0x3f9, &[7]), Some(0x3f8));
         assert_eq!(dev.lock().unwrap().0, vec![(1, vec![7])]);
     }
 
@@ -265,7 +267,7 @@ mod tests {
         assert_eq!(bus.ranges(), vec![(0x2000, 0x100), (0x3000, 0x100)]);
         assert_eq!(read_byte(&bus, 0x1004), 0xff);
         // Offsets are from the new base.
-        assert!(bus.write(0x3004, &[9]));
+        assert!(bus.write(0x3004, &[9]).is_some());
         assert_eq!(a.lock().unwrap().0, vec![(4, vec![9])]);
         // Moving onto part of its own old range is allowed, and to the same base is a no-op.
         bus.move_range(0x3000, 0x3080).unwrap();
@@ -344,10 +346,10 @@ mod tests {
         let (done, finished) = mpsc::channel();
         let worker = bus.clone();
         std::thread::spawn(move || {
-            assert!(worker.write(0x100, &[1]));
+            assert!(worker.write(0x100, &[1]).is_some());
             // Now at 0x200, it reads the echo at 0x300 through the bus: nested dispatch.
             let mut b = [0u8; 1];
-            assert!(worker.read(0x200, &mut b));
+            assert!(worker.read(0x200, &mut b).is_some());
             assert_eq!(b, [5]);
             done.send(()).unwrap();
         });
@@ -383,7 +385,7 @@ mod tests {
                     while !stop.load(Ordering::Relaxed) {
                         for addr in [A + 0x10, B + 0x10] {
                             let mut data = [0u8; 4];
-                            if bus.read(addr, &mut data) {
+                            if bus.read(addr, &mut data).is_some() {
                                 assert_eq!(data, [0x5a; 4]);
                                 hits += 1;
                             } else {

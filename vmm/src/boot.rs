@@ -13,9 +13,11 @@ use linux_loader::loader::bootparam::{boot_e820_entry, boot_params};
 use linux_loader::loader::elf::start_info::{hvm_memmap_table_entry, hvm_modlist_entry, hvm_start_info};
 use linux_loader::loader::elf::PvhBootCapability;
 use linux_loader::loader::{BzImage, Cmdline, Elf, KernelLoader, KernelLoaderResult};
-use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Address, GuestAddress, GuestMemoryMmap};
 
 use crate::config::VmConfig;
+use crate::initrd::{InitrdError, InitrdSource};
+use crate::stats::SetupPhases;
 
 /// Errors loading the guest's boot images.
 #[derive(Debug, thiserror::Error)]
@@ -49,6 +51,9 @@ pub enum BootError {
         /// End of the loaded kernel.
         kernel_end: u64,
     },
+    /// The initramfs could not be read or is corrupt.
+    #[error(transparent)]
+    Initrd(#[from] InitrdError),
     /// Writing boot structures into guest memory failed.
     #[error("cannot write {what} into guest memory")]
     GuestWrite {
@@ -83,16 +88,20 @@ const BZIMAGE_64BIT_ENTRY_OFFSET: u64 = 0x200;
 /// Highest address the initrd may end at for 32-bit-clean kernels.
 const INITRD_ADDR_MAX: u64 = 0x8000_0000;
 
-/// Loads everything the guest needs to boot and returns the boot CPU's entry.
+/// Loads everything the guest needs to boot and returns the boot CPU's entry, marking
+/// the kernel's and the initramfs's loads in `phases`.
 pub fn load(
     mem: &GuestMemoryMmap,
     config: &VmConfig,
-    initrd: Option<&[u8]>,
+    initrd: Option<&dyn InitrdSource>,
     rsdp: u64,
+    phases: &mut SetupPhases,
 ) -> Result<BootEntry, BootError> {
     let kernel = load_kernel(mem, config)?;
     let cmdline = write_cmdline(mem, &config.cmdline)?;
-    let initrd = initrd.map(|data| write_initrd(mem, config.memory, data, kernel.kernel_end)).transpose()?;
+    phases.mark("kernel load");
+    let initrd = initrd.map(|source| write_initrd(mem, config.memory, source, kernel.kernel_end)).transpose()?;
+    phases.mark("initramfs load");
     let e820 = layout::e820_map(config.memory);
 
     match kernel.pvh_boot_cap {
@@ -134,15 +143,21 @@ fn write_cmdline(mem: &GuestMemoryMmap, text: &str) -> Result<(u64, usize), Boot
 }
 
 /// Places the initrd as high as it goes below the MMIO hole (and 2 GiB), page-aligned.
-fn write_initrd(mem: &GuestMemoryMmap, memory: u64, data: &[u8], kernel_end: u64) -> Result<(u64, usize), BootError> {
-    let too_big = || BootError::InitrdTooBig { size: data.len(), kernel_end };
+fn write_initrd(
+    mem: &GuestMemoryMmap,
+    memory: u64,
+    initrd: &dyn InitrdSource,
+    kernel_end: u64,
+) -> Result<(u64, usize), BootError> {
+    let size = initrd.size();
+    let too_big = || BootError::InitrdTooBig { size, kernel_end };
     let top = layout::low_ram_end(memory).min(INITRD_ADDR_MAX);
-    let addr = top.checked_sub(data.len() as u64).ok_or_else(too_big)? & !0xfff;
+    let addr = top.checked_sub(size as u64).ok_or_else(too_big)? & !0xfff;
     if addr < kernel_end {
         return Err(too_big());
     }
-    mem.write_slice(data, GuestAddress(addr)).map_err(|_| BootError::GuestWrite { what: "the initrd" })?;
-    Ok((addr, data.len()))
+    initrd.load(mem, GuestAddress(addr))?;
+    Ok((addr, size))
 }
 
 fn write_pvh_start_info(
@@ -224,6 +239,22 @@ mod tests {
     use vm_memory::GuestMemoryMmap;
 
     use super::*;
+    use vm_memory::Bytes;
+
+    /// Raw bytes as an initrd (the tests' own, unchecked).
+    impl InitrdSource for &[u8] {
+        fn size(&self) -> usize {
+            self.len()
+        }
+        fn load(&self, mem: &GuestMemoryMmap, addr: GuestAddress) -> Result<(), InitrdError> {
+            mem.write_slice(self, addr)
+                .map_err(|e| InitrdError::Read { path: "test".into(), source: std::io::Error::other(e.to_string()) })
+        }
+    }
+
+    fn phases() -> SetupPhases {
+        SetupPhases::new(std::time::Instant::now())
+    }
 
     const MIB: u64 = 1 << 20;
 
@@ -300,7 +331,9 @@ mod tests {
     fn test_pvh_vmlinux_gets_start_info() {
         let dir = tempfile::tempdir().unwrap();
         let m = mem(64 * MIB);
-        let entry = load(&m, &config(&dir, &tiny_elf(true)), Some(b"070701initrd"), layout::ACPI_START).unwrap();
+        let entry =
+            load(&m, &config(&dir, &tiny_elf(true)), Some(&&b"070701initrd"[..]), layout::ACPI_START, &mut phases())
+                .unwrap();
         assert_eq!(entry, BootEntry { rip: 16 * MIB + 0x40, mode: EntryMode::Pvh });
         let info: hvm_start_info = m.read_obj(GuestAddress(layout::PVH_INFO_START)).unwrap();
         assert_eq!(info.magic, XEN_HVM_START_MAGIC);
@@ -325,7 +358,7 @@ mod tests {
     fn test_vmlinux_without_pvh_note_uses_zero_page() {
         let dir = tempfile::tempdir().unwrap();
         let m = mem(64 * MIB);
-        let entry = load(&m, &config(&dir, &tiny_elf(false)), None, layout::ACPI_START).unwrap();
+        let entry = load(&m, &config(&dir, &tiny_elf(false)), None, layout::ACPI_START, &mut phases()).unwrap();
         assert_eq!(entry, BootEntry { rip: 16 * MIB + 0x1000, mode: EntryMode::Linux64 });
         let params: boot_params = m.read_obj(GuestAddress(layout::ZERO_PAGE_START)).unwrap();
         assert_eq!({ params.hdr.header }, KERNEL_HDR_MAGIC);
@@ -340,7 +373,7 @@ mod tests {
     fn test_garbage_kernel_is_an_error() {
         let dir = tempfile::tempdir().unwrap();
         let m = mem(64 * MIB);
-        let err = load(&m, &config(&dir, b"MZ not a kernel at all"), None, 0).unwrap_err();
+        let err = load(&m, &config(&dir, b"MZ not a kernel at all"), None, 0, &mut phases()).unwrap_err();
         assert!(err.to_string().contains("cannot be loaded"), "{err}");
     }
 
@@ -349,7 +382,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let m = mem(64 * MIB);
         let big = vec![0u8; 63 * MIB as usize];
-        let err = load(&m, &config(&dir, &tiny_elf(true)), Some(&big), 0).unwrap_err();
+        let err = load(&m, &config(&dir, &tiny_elf(true)), Some(&big.as_slice()), 0, &mut phases()).unwrap_err();
         assert!(matches!(err, BootError::InitrdTooBig { .. }), "{err}");
     }
 
@@ -359,6 +392,6 @@ mod tests {
         let m = mem(64 * MIB);
         let mut cfg = config(&dir, &tiny_elf(true));
         cfg.cmdline = "x".repeat(5000);
-        assert!(matches!(load(&m, &cfg, None, 0), Err(BootError::Cmdline(_))));
+        assert!(matches!(load(&m, &cfg, None, 0, &mut phases()), Err(BootError::Cmdline(_))));
     }
 }

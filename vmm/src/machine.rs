@@ -30,6 +30,7 @@ use crate::cpu_topology::CpuPlace;
 use crate::irq::{GsiRouter, IrqError};
 use crate::pci::{ConfigIo, Ecam, PciSegment, CONFIG_IO_LEN, CONFIG_IO_PORT};
 use crate::signals::StopSignals;
+use crate::stats::{ExitTally, SetupPhases};
 use crate::vcpu::{self, ExitContext, VcpuError};
 use crate::{acpi, bios, boot, cpu_topology, initrd, memory, wiring};
 
@@ -131,6 +132,10 @@ pub struct RunReport {
     pub status: Option<u8>,
     /// Time from `started` (given to [`run`]) to the boot CPU's first KVM_RUN.
     pub setup: Option<Duration>,
+    /// That time by phase, in order.
+    pub phases: Vec<(&'static str, Duration)>,
+    /// The exits the VMM served (exits KVM handled itself are not among them).
+    pub exits: ExitTally,
     /// Resident memory of the VMM beyond guest RAM (anonymous + file-backed), in KiB.
     pub rss_beyond_guest_kib: Option<u64>,
     /// MMIO accesses nothing claimed (unbacked BARs read as all-ones), counted, not fatal.
@@ -149,17 +154,21 @@ pub struct ConsoleOptions {
 
 /// Builds the VM described by `config` and runs it until it stops.
 pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Result<RunReport, VmmError> {
+    let mut phases = SetupPhases::new(started);
     config.validate()?;
+    phases.mark("process start and node checks");
     // Every input is checked before KVM is touched.
     let expect = Expectations::new(config.cpus, config.memory, &config.node);
-    let initrd = config.initrd.as_deref().map(|path| initrd::build(path, &expect)).transpose()?;
+    let initrd = config.initrd.as_deref().map(|path| initrd::Initrd::open(path, &expect)).transpose()?;
+    phases.mark("initramfs open");
     // Host signals are read from a signalfd; block them before any thread starts.
     let signals = StopSignals::new().map_err(host("block SIGINT, SIGTERM and SIGHUP into a signalfd"))?;
     let (kvm_sys, vm) = create_vm()?;
     let irq = interrupt_routing(&vm)?;
+    phases.mark("VM creation");
     let ram = memory::create(config.memory)?;
     register_memory(&vm, &ram.memory)?;
-    tracing::debug!(elapsed = ?started.elapsed(), "VM and guest RAM ready");
+    phases.mark("guest memory");
 
     let supported_cpuid =
         kvm_sys.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(kvm("read the supported CPUID"))?;
@@ -167,9 +176,10 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
     let mmio = Arc::new(Bus::new("mmio"));
     // Dropped when `run` returns, whatever the path: BARs leave the guest, devices reset.
     let (pci, devices) = wire_devices(config, &vm, &mmio, &irq, &ram)?;
+    phases.mark("devices");
     let cpus = cpu_topology::layout(config.cpus, &config.node.numa);
-    let entry = load_guest(&ram.memory, config, &cpus, initrd.as_deref())?;
-    tracing::debug!(elapsed = ?started.elapsed(), "kernel, initrd and firmware loaded");
+    let entry =
+        load_guest(&ram.memory, config, &cpus, initrd.as_ref().map(|i| i as &dyn initrd::InitrdSource), &mut phases)?;
 
     let signal = Arc::new(GuestExitSignal::new().map_err(host("create an eventfd"))?);
     let serial_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(host("create an eventfd"))?;
@@ -185,10 +195,11 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
         mmio,
         signal: signal.clone(),
         stop: Arc::new(AtomicBool::new(false)),
+        exits: Arc::new(Mutex::new(ExitTally::default())),
     };
 
     let vcpus = create_vcpus(&supported_cpuid, &vm, &cpus, entry)?;
-    tracing::debug!(elapsed = ?started.elapsed(), "vCPUs configured");
+    phases.mark("vCPUs");
     let mut threads = VcpuThreads::start(vcpus, &ctx)?;
 
     let _raw = if console.interactive { RawTerminal::enter(libc::STDIN_FILENO) } else { None };
@@ -211,10 +222,16 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
         (_, Some(GuestExit::Reset)) => Outcome::Reset,
         _ => Outcome::PoweredOff,
     };
+    if let Some(t) = threads.first_run.get() {
+        phases.end_at("vCPU threads to the first KVM_RUN", *t);
+    }
+    let exits = lock(&ctx.exits).clone();
     Ok(RunReport {
         outcome,
         status: signal.status(),
         setup: threads.first_run.get().map(|t| t.duration_since(started)),
+        phases: phases.phases,
+        exits,
         rss_beyond_guest_kib: rss_beyond_guest_kib(),
         unclaimed_mmio: ctx.mmio.unclaimed(),
         dropped_config_writes: devices.dropped_config_writes(),
@@ -247,11 +264,13 @@ fn load_guest(
     mem: &vm_memory::GuestMemoryMmap,
     config: &VmConfig,
     cpus: &[CpuPlace],
-    initrd: Option<&[u8]>,
+    initrd: Option<&dyn initrd::InitrdSource>,
+    phases: &mut SetupPhases,
 ) -> Result<boot::BootEntry, VmmError> {
     let rsdp = acpi::write(mem, cpus, &config.node)?;
     bios::write(mem).map_err(|source| VmmError::GuestMemory { what: "write the reset vector", source })?;
-    let entry = boot::load(mem, config, initrd, rsdp)?;
+    phases.mark("firmware tables");
+    let entry = boot::load(mem, config, initrd, rsdp, phases)?;
     vcpu::write_boot_tables(mem, entry.mode)?;
     Ok(entry)
 }

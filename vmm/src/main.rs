@@ -10,7 +10,7 @@ use clap::{Parser, Subcommand};
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 
-use gdrvm::{cluster, ConsoleOptions, Outcome, VmConfig};
+use gdrvm::{cluster, ConsoleOptions, Outcome, RunReport, VmConfig};
 use gdrvm_devices::net::WireSpec;
 use gdrvm_model::capture::{self, CaptureError, CaptureOptions};
 use gdrvm_model::cluster::Cluster;
@@ -189,7 +189,8 @@ struct RunArgs {
     /// Forward standard input to the guest console (raw terminal; Ctrl-A x quits).
     #[arg(long)]
     interactive: bool,
-    /// Print run figures (setup time, RSS beyond guest RAM) as one JSON line on stderr.
+    /// Print run figures as one JSON line on stderr: setup time and its phases, RSS beyond
+    /// guest RAM, the exits the VMM served by kind and device (to the end of the run).
     #[arg(long)]
     stats: bool,
     /// Make endpoint NAME of the node a virtio-net NIC, joined to WIRE when one is given:
@@ -348,13 +349,7 @@ fn run(args: RunArgs, started: Instant) -> ExitCode {
         }
     };
     if args.stats {
-        eprintln!(
-            "gdrvm-stats: {{\"setup_us\": {}, \"rss_beyond_guest_kib\": {}, \"unclaimed_mmio\": {}, \"dropped_config_writes\": {}}}",
-            report.setup.map_or("null".into(), |d| d.as_micros().to_string()),
-            report.rss_beyond_guest_kib.map_or("null".into(), |v| v.to_string()),
-            report.unclaimed_mmio,
-            report.dropped_config_writes,
-        );
+        eprintln!("gdrvm-stats: {}", stats_json(&report));
     }
     match (report.outcome, report.status) {
         (Outcome::Interrupted, _) => {
@@ -368,6 +363,28 @@ fn run(args: RunArgs, started: Instant) -> ExitCode {
             ExitCode::from(1)
         }
     }
+}
+
+/// How many exit kinds `--stats` lists, most frequent first.
+const STATS_EXIT_KINDS: usize = 12;
+
+/// The `--stats` line's JSON.
+fn stats_json(report: &RunReport) -> serde_json::Value {
+    serde_json::json!({
+        "setup_us": report.setup.map(|d| d.as_micros() as u64),
+        "phases": report.phases.iter().map(|(name, d)| serde_json::json!([name, d.as_micros() as u64])).collect::<Vec<_>>(),
+        "rss_beyond_guest_kib": report.rss_beyond_guest_kib,
+        "unclaimed_mmio": report.unclaimed_mmio,
+        "dropped_config_writes": report.dropped_config_writes,
+        "vmm_exits": report.exits.total(),
+        "vmm_exit_kinds": report
+            .exits
+            .by_count()
+            .into_iter()
+            .take(STATS_EXIT_KINDS)
+            .map(|(kind, n)| serde_json::json!([kind.to_string(), n]))
+            .collect::<Vec<_>>(),
+    })
 }
 
 fn cluster_up(args: ClusterUpArgs) -> ExitCode {

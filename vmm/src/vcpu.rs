@@ -3,7 +3,7 @@
 //! port and MMIO accesses.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use gdrvm_devices::{Bus, GuestExit, GuestExitSignal};
 use gdrvm_model::layout;
@@ -13,6 +13,7 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 use crate::boot::{BootEntry, EntryMode};
 use crate::cpu_topology::CpuPlace;
+use crate::stats::{ExitKind, ExitTally, VcpuTally};
 
 /// Errors configuring or running a vCPU.
 #[derive(Debug, thiserror::Error)]
@@ -332,24 +333,30 @@ pub struct ExitContext {
     pub signal: Arc<GuestExitSignal>,
     /// Set by the VMM to make every vCPU leave its loop.
     pub stop: Arc<AtomicBool>,
+    /// Where each vCPU adds the exits it served when it leaves its loop.
+    pub exits: Arc<Mutex<ExitTally>>,
 }
 
 /// Runs vCPU `id` until the VMM asks it to stop or the guest cannot go on.
 pub fn run(mut vcpu: VcpuFd, id: u32, ctx: &ExitContext) -> Result<(), VcpuError> {
     let _done = LeaveLog(id);
+    let mut exits = VcpuTally::new(&ctx.exits);
+    let count = &mut exits.tally;
     while !ctx.stop.load(Ordering::Acquire) {
         match vcpu.run() {
             Ok(VcpuExit::IoIn(port, data)) => {
                 ctx.pio.read(u64::from(port), data);
+                count.count(ExitKind::Pio(port));
             }
             Ok(VcpuExit::IoOut(port, data)) => {
                 ctx.pio.write(u64::from(port), data);
+                count.count(ExitKind::Pio(port));
             }
             Ok(VcpuExit::MmioRead(addr, data)) => {
-                ctx.mmio.read(addr, data);
+                count.count(ExitKind::Mmio(ctx.mmio.read(addr, data)));
             }
             Ok(VcpuExit::MmioWrite(addr, data)) => {
-                ctx.mmio.write(addr, data);
+                count.count(ExitKind::Mmio(ctx.mmio.write(addr, data)));
             }
             Ok(VcpuExit::Shutdown) => {
                 // Triple fault: a PC resets. Said at warn: nothing else tells why a guest
@@ -366,11 +373,12 @@ pub fn run(mut vcpu: VcpuFd, id: u32, ctx: &ExitContext) -> Result<(), VcpuError
                 return Ok(());
             }
             Ok(VcpuExit::Hlt) => {
+                count.count(ExitKind::Hlt);
                 // With the in-kernel LAPIC, HLT only exits when the vCPU can never wake.
                 ctx.signal.request(GuestExit::PowerOff);
                 return Ok(());
             }
-            Ok(VcpuExit::Intr) => {}
+            Ok(VcpuExit::Intr) => count.count(ExitKind::Interrupted),
             Ok(VcpuExit::FailEntry(reason, cpu)) => {
                 return Err(VcpuError::Hardware {
                     id,
@@ -387,9 +395,10 @@ pub fn run(mut vcpu: VcpuFd, id: u32, ctx: &ExitContext) -> Result<(), VcpuError
                 return Err(VcpuError::Hardware { id, reason });
             }
             Ok(other) => {
+                count.count(ExitKind::Other);
                 tracing::debug!(id, exit = ?other, "unhandled vCPU exit");
             }
-            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {}
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => count.count(ExitKind::Interrupted),
             Err(source) => return Err(VcpuError::Run { id, source }),
         }
     }
