@@ -9,6 +9,7 @@ mod gpu;
 mod host;
 mod lspci;
 mod pci;
+mod profile;
 pub(crate) mod rdma;
 mod smoke;
 mod topology;
@@ -19,8 +20,10 @@ use crate::context::Context;
 use crate::ktap::{Check, SuiteReport, Verdict};
 
 /// Names of every suite, in the order `all` runs them.
-pub const SUITES: &[&str] =
-    &["smoke", "topology", "capture", "drivers", "vfio", "barbench", "gdr", "rdma", "gpu", "host", "chaos", "virtio"];
+pub const SUITES: &[&str] = &[
+    "smoke", "topology", "capture", "drivers", "vfio", "barbench", "gdr", "rdma", "gpu", "host", "chaos", "virtio",
+    "profile",
+];
 
 /// What `run all` runs: the suites that only read. `vfio` drives devices (brings NICs up,
 /// sends frames, starts DMA) and runs only when named, on a node made for it; so does `gdr`,
@@ -34,6 +37,8 @@ pub const SUITES: &[&str] =
 /// `drivers` checks the user's out-of-tree modules and runs when named; so does `capture`,
 /// which prints the node file `gdrvm topology capture` makes of the machine.
 /// `host` checks a bare-metal host's IOMMU groups, ATS on VFs, port ACS and links; runs when named.
+/// `profile` prints where the boot went (kernel log milestones, initcalls, silences) for
+/// `cargo xtask bench boot --profile`; runs when named.
 pub const ALL: &[&str] = &["smoke", "topology"];
 
 /// Runs the suite called `name`.
@@ -51,6 +56,7 @@ pub fn run(name: &str, ctx: &Context) -> SuiteReport {
         "host" => host::run(ctx),
         "chaos" => chaos::run(ctx),
         "virtio" => virtio::run(ctx),
+        "profile" => profile::run(ctx),
         other => vec![Check::new(
             "suite_exists",
             Verdict::Fail(format!("no suite named '{other}' (known: {})", SUITES.join(", "))),
