@@ -1,6 +1,8 @@
 //! `cargo xtask bench`: figures, never assertions.
 //! - `boot`: gdrvm against QEMU booting the same vmlinux and initramfs, in the same
-//!   environment (inside the same L1 when nested), alternating, medians of N runs.
+//!   environment (inside the same L1 when nested), alternating, medians of N runs: time and
+//!   KVM's exit counts to the first KTAP line, gdrvm's setup phases and the exits it served
+//!   by device; `--profile` adds one initcall-timed boot of each, side by side.
 //! - `topology`: the same guest on vela-a100 and on minimal, alternating: the ratio is the
 //!   cost of a big PCIe tree (config accesses, ACPI namespace) to the time to the agent.
 //! - `ecam`: criterion's figures for one ECAM access, against a reference in the same run.
@@ -14,7 +16,10 @@
 use std::time::Duration;
 
 use anyhow::{bail, Result};
-use gdrvm_harness::{Artifacts, ClusterSpec, QemuMachine, Runner, VmResult, VmSpec, Vmm};
+use std::collections::BTreeMap;
+
+use gdrvm_harness::{Artifacts, ClusterSpec, GdrvmStats, QemuMachine, Runner, VmResult, VmSpec, Vmm};
+use gdrvm_model::kvm_exits::KvmExits;
 
 /// The VMMs compared, in the order each round runs them.
 const CONTENDERS: [(&str, Vmm); 3] = [
@@ -65,7 +70,14 @@ fn print_l1_incidents(results: &[VmResult]) {
     }
 }
 
-fn specs(artifacts: &Artifacts, rounds: usize) -> Vec<VmSpec> {
+/// The command line of every boot-bench VM: the same kernel, initramfs and command line
+/// for every VMM; no suites, so the agent prints its KTAP header as soon as it starts.
+const BOOT_CMDLINE: &str = "console=ttyS0 quiet panic=-1 gdrvm.suites=";
+/// The profile run's: the kernel times every initcall into a log buffer big enough to keep
+/// them all (the console stays quiet), and the agent's `profile` suite reports.
+const PROFILE_CMDLINE: &str = "console=ttyS0 quiet panic=-1 initcall_debug log_buf_len=4M gdrvm.suites=profile";
+
+fn specs(artifacts: &Artifacts, rounds: usize, cmdline: &str) -> Vec<VmSpec> {
     (0..rounds)
         .flat_map(|round| {
             CONTENDERS.iter().map(move |(name, vmm)| VmSpec {
@@ -74,9 +86,7 @@ fn specs(artifacts: &Artifacts, rounds: usize) -> Vec<VmSpec> {
                 image: artifacts.guest.clone(),
                 node: None,
                 cluster: None,
-                // The same kernel, initramfs and command line for every VMM; no suites, so
-                // the agent prints its KTAP header as soon as it starts.
-                cmdline: "console=ttyS0 quiet panic=-1 gdrvm.suites=".into(),
+                cmdline: cmdline.into(),
                 cpus: 2,
                 memory: "1G".into(),
                 timeout: Duration::from_secs(180),
@@ -85,47 +95,218 @@ fn specs(artifacts: &Artifacts, rounds: usize) -> Vec<VmSpec> {
         .collect()
 }
 
-/// Runs the boot benchmark and prints its figures.
-pub async fn boot(runner: &Runner, rounds: usize) -> Result<()> {
+/// How many exit kinds the boot bench lists per VMM.
+const TOP_KINDS: usize = 5;
+
+/// One VMM's boot figures: medians over its runs.
+struct BootFigures {
+    name: &'static str,
+    time: Option<f64>,
+    exits: Option<f64>,
+}
+
+/// Prints one VMM's time and exits to the first KTAP line, and its top exit kinds.
+fn boot_figures(name: &'static str, mine: &[&VmResult]) -> BootFigures {
+    let times: Vec<f64> = mine.iter().filter_map(|r| r.time_to_ktap.map(|d| d.as_secs_f64())).collect();
+    for r in mine.iter().filter(|r| r.time_to_ktap.is_none()) {
+        println!("xtask: bench: {} gave no KTAP: {}", r.name, r.problem().unwrap_or_default());
+        for line in r.tail().iter().rev().take(5).rev() {
+            println!("  | {line}");
+        }
+    }
+    let time = print_median(&format!("{name:<16} time to first KTAP line"), &times, mine.len());
+    let counted: Vec<&KvmExits> = mine.iter().filter_map(|r| r.kvm_exits.as_ref()).collect();
+    let totals: Vec<f64> = counted.iter().filter_map(|e| e.total()).map(|t| t as f64).collect();
+    let exits = median(totals.clone()).filter(|_| totals.len() >= MIN_SAMPLES);
+    match exits {
+        Some(m) => {
+            // Each kind's median over the runs, the largest first.
+            let mut kinds: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+            for e in &counted {
+                for (kind, n) in e.kinds() {
+                    kinds.entry(kind).or_default().push(n as f64);
+                }
+            }
+            let mut kinds: Vec<(&str, f64)> =
+                kinds.into_iter().filter_map(|(k, v)| Some((k, median(v)?))).collect();
+            kinds.sort_by(|a, b| b.1.total_cmp(&a.1));
+            let top: Vec<String> =
+                kinds.iter().take(TOP_KINDS).map(|(k, n)| format!("{k} {n:.0}")).collect();
+            println!(
+                "xtask: bench: {name:<16} exits to first KTAP line: median {m:.0} over {} runs; top kinds: {}",
+                totals.len(),
+                top.join(", ")
+            );
+        }
+        None => println!(
+            "xtask: bench: {name:<16} exits to first KTAP line: n/a ({} of {} runs counted; KVM's counters need debugfs and root)",
+            totals.len(),
+            mine.len()
+        ),
+    }
+    BootFigures { name, time, exits }
+}
+
+/// Prints gdrvm's figure over the best QEMU's as a ratio against its target.
+fn print_ratio(what: &str, figures: &[BootFigures], of: fn(&BootFigures) -> Option<f64>, target: &str) {
+    let best = figures[1..].iter().filter_map(|f| Some((f.name, of(f)?))).min_by(|a, b| a.1.total_cmp(&b.1));
+    match (of(&figures[0]), best) {
+        (Some(g), Some((qname, q))) if q > 0.0 => {
+            println!("xtask: bench: {what} ratio gdrvm / best QEMU ({qname}) = {:.2} (target {target})", g / q)
+        }
+        _ => println!("xtask: bench: {what} ratio n/a (a VMM has fewer than {MIN_SAMPLES} samples)"),
+    }
+}
+
+/// Runs the boot benchmark and prints its figures; with `profile`, one more run of each VMM
+/// with initcall timing, and where each boot's time went, side by side.
+pub async fn boot(runner: &Runner, rounds: usize, profile: bool) -> Result<()> {
     if rounds < 1 {
         bail!("--rounds must be at least 1");
     }
     println!("xtask: bench boot: {rounds} rounds of {} VMMs, alternating, {:?} runner", CONTENDERS.len(), runner.kind);
-    let results = runner.run(&specs(&runner.artifacts, rounds)).await?;
-    let secs = |r: &VmResult| r.time_to_ktap.map(|d| d.as_secs_f64());
-    let mut medians = Vec::new();
-    for (name, _) in CONTENDERS {
-        let mine: Vec<&VmResult> = results.iter().filter(|r| r.name.starts_with(&format!("{name} #"))).collect();
-        let times: Vec<f64> = mine.iter().filter_map(|r| secs(r)).collect();
-        for r in mine.iter().filter(|r| r.time_to_ktap.is_none()) {
-            println!("xtask: bench: {} gave no KTAP: {}", r.name, r.problem().unwrap_or_default());
-            for line in r.tail().iter().rev().take(5).rev() {
-                println!("  | {line}");
-            }
+    let mut all = specs(&runner.artifacts, rounds, BOOT_CMDLINE);
+    if profile {
+        let mut profiled = specs(&runner.artifacts, 1, PROFILE_CMDLINE);
+        for s in &mut profiled {
+            s.name = s.name.replace(" #0", " profile");
         }
-        medians.push((name, print_median(&format!("{name:<16} time to first KTAP line"), &times, mine.len())));
+        all.extend(profiled);
     }
+    let results = runner.run(&all).await?;
+    let figures: Vec<BootFigures> = CONTENDERS
+        .iter()
+        .map(|(name, _)| {
+            let mine: Vec<&VmResult> = results.iter().filter(|r| r.name.starts_with(&format!("{name} #"))).collect();
+            boot_figures(name, &mine)
+        })
+        .collect();
     print_l1_incidents(&results);
-    let gdrvm = medians[0].1;
-    let best_qemu = medians[1..].iter().filter_map(|(n, m)| m.map(|m| (n, m))).min_by(|a, b| a.1.total_cmp(&b.1));
-    match (gdrvm, best_qemu) {
-        (Some(g), Some((qname, q))) => {
-            println!("xtask: bench: ratio gdrvm / best QEMU ({qname}) = {:.2} (target <= 0.5)", g / q)
-        }
-        _ => println!("xtask: bench: ratio n/a (a VMM has fewer than {MIN_SAMPLES} samples)"),
+    print_ratio("time", &figures, |f| f.time, "<= 0.7, goal 0.5");
+    print_ratio("exits", &figures, |f| f.exits, "<= 0.5");
+    print_gdrvm_stats(results.iter().filter(|r| r.name.starts_with("gdrvm #")).collect());
+    if profile {
+        print_profiles(&results);
     }
-    let gdrvm_runs = results.iter().filter(|r| r.name.starts_with("gdrvm #"));
-    let setup: Vec<f64> = gdrvm_runs.clone().filter_map(|r| r.stats?.setup_us).map(|us| us as f64 / 1000.0).collect();
-    let rss: Vec<f64> = gdrvm_runs.filter_map(|r| r.stats?.rss_beyond_guest_kib).map(|k| k as f64 / 1024.0).collect();
+    Ok(())
+}
+
+/// gdrvm's own figures: setup by phase, the exits it served by kind and device, RSS.
+fn print_gdrvm_stats(runs: Vec<&VmResult>) {
+    let stats: Vec<&GdrvmStats> = runs.iter().filter_map(|r| r.stats.as_ref()).collect();
+    let setup: Vec<f64> = stats.iter().filter_map(|s| s.setup_us).map(|us| us as f64 / 1000.0).collect();
     println!(
-        "xtask: bench: gdrvm setup (process start to first KVM_RUN): median {} (target < 10 ms)",
+        "xtask: bench: gdrvm setup (process start to first KVM_RUN): median {} (target < 10 ms on real KVM)",
         median(setup).map_or("n/a".into(), |m| format!("{m:.1} ms"))
     );
+    let mut phases: Vec<(&str, Vec<f64>)> = Vec::new();
+    for s in &stats {
+        for (name, us) in &s.phases {
+            match phases.iter_mut().find(|p| p.0 == name) {
+                Some(p) => p.1.push(*us as f64 / 1000.0),
+                None => phases.push((name, vec![*us as f64 / 1000.0])),
+            }
+        }
+    }
+    for (name, ms) in phases {
+        println!("xtask: bench:   setup phase {name:<36} median {:.2} ms", median(ms).unwrap_or(0.0));
+    }
+    let mut kinds: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    for s in &stats {
+        for (kind, n) in &s.vmm_exit_kinds {
+            kinds.entry(kind).or_default().push(*n as f64);
+        }
+    }
+    let mut kinds: Vec<(&str, f64)> = kinds.into_iter().filter_map(|(k, v)| Some((k, median(v)?))).collect();
+    kinds.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let served: Vec<f64> = stats.iter().map(|s| s.vmm_exits as f64).collect();
     println!(
-        "xtask: bench: gdrvm RSS beyond guest RAM: median {} (target < 16 MiB)",
+        "xtask: bench: gdrvm exits served by the VMM (to power-off): median {}; by device: {}",
+        median(served).map_or("n/a".into(), |m| format!("{m:.0}")),
+        kinds.iter().take(8).map(|(k, n)| format!("{k} {n:.0}")).collect::<Vec<_>>().join(", ")
+    );
+    let rss: Vec<f64> = stats.iter().filter_map(|s| s.rss_beyond_guest_kib).map(|k| k as f64 / 1024.0).collect();
+    println!(
+        "xtask: bench: gdrvm RSS beyond guest RAM: median {} (target < 5 MiB)",
         median(rss).map_or("n/a".into(), |m| format!("{m:.1} MiB"))
     );
-    Ok(())
+}
+
+/// The `profile| ` diagnostics of one run, as their words.
+fn profile_lines(r: &VmResult) -> Vec<Vec<String>> {
+    r.console
+        .iter()
+        .filter_map(|l| l.split_once("profile| ").map(|(_, rest)| rest.split(' ').map(str::to_owned).collect()))
+        .collect()
+}
+
+/// Prints the profile runs side by side: milestones, initcall totals, the slowest
+/// initcalls of any VMM with each VMM's time for them, and each VMM's longest silences.
+fn print_profiles(results: &[VmResult]) {
+    let runs: Vec<(&str, Vec<Vec<String>>)> = CONTENDERS
+        .iter()
+        .filter_map(|(name, _)| {
+            let r = results.iter().find(|r| r.name == format!("{name} profile"))?;
+            Some((*name, profile_lines(r)))
+        })
+        .collect();
+    if runs.iter().all(|(_, lines)| lines.is_empty()) {
+        println!("xtask: bench: profile: no run reported a profile");
+        return;
+    }
+    let header: String = runs.iter().map(|(n, _)| format!("{n:>16}")).collect();
+    let value = |lines: &[Vec<String>], kind: &str, key: &str| -> Option<String> {
+        lines.iter().find(|w| w[0] == kind && w[2..].join(" ") == key).map(|w| w[1].clone())
+    };
+    println!("xtask: bench: profile: milestones (seconds of kernel time){header}");
+    let mut names: Vec<String> = Vec::new();
+    for (_, lines) in &runs {
+        for w in lines.iter().filter(|w| w[0] == "milestone" && w.len() > 2) {
+            let n = w[2..].join(" ");
+            if !names.contains(&n) {
+                names.push(n);
+            }
+        }
+    }
+    for n in &names {
+        let row: String =
+            runs.iter().map(|(_, l)| format!("{:>16}", value(l, "milestone", n).unwrap_or("-".into()))).collect();
+        println!("xtask: bench: profile:   {n:<36}{row}");
+    }
+    let totals: String = runs
+        .iter()
+        .map(|(_, l)| {
+            let t = l.iter().find(|w| w[0] == "initcalls" && w.len() > 2);
+            format!(
+                "{:>16}",
+                t.map_or("-".into(), |w| format!("{} ms/{}", w[1].parse::<u64>().unwrap_or(0) / 1000, w[2]))
+            )
+        })
+        .collect();
+    println!("xtask: bench: profile:   {:<36}{totals}", "initcalls (total time/count)");
+    let mut calls: Vec<String> = Vec::new();
+    for (_, lines) in &runs {
+        for w in lines.iter().filter(|w| w[0] == "initcall" && w.len() > 2) {
+            let f = w[2..].join(" ");
+            if !calls.contains(&f) {
+                calls.push(f);
+            }
+        }
+    }
+    let slowest =
+        |f: &String| runs.iter().filter_map(|(_, l)| value(l, "initcall", f)?.parse::<u64>().ok()).max().unwrap_or(0);
+    calls.sort_by_key(|f| std::cmp::Reverse(slowest(f)));
+    println!("xtask: bench: profile: slowest initcalls (µs){header}");
+    for f in calls.iter().take(20) {
+        let row: String =
+            runs.iter().map(|(_, l)| format!("{:>16}", value(l, "initcall", f).unwrap_or("-".into()))).collect();
+        println!("xtask: bench: profile:   {:<36}{row}", f.chars().take(36).collect::<String>());
+    }
+    for (name, lines) in &runs {
+        for w in lines.iter().filter(|w| w[0] == "gap" && w.len() > 3).take(5) {
+            println!("xtask: bench: profile: {name}: silent {} s before {} s: {}", w[1], w[2], w[3..].join(" "));
+        }
+    }
 }
 
 /// The nodes `bench topology` compares, in the order each round runs them.

@@ -303,12 +303,16 @@ impl L1Opts {
 
 #[derive(Subcommand)]
 enum BenchCmd {
-    /// Time to the agent's first KTAP line, gdrvm against QEMU (-M pc, -M microvm) on the
-    /// same kernel and initramfs; also gdrvm's setup time and RSS beyond guest RAM.
+    /// Time and KVM exits to the agent's first KTAP line, gdrvm against QEMU (-M pc,
+    /// -M microvm) on the same kernel and initramfs; also gdrvm's setup phases, the exits
+    /// it served by device, and its RSS beyond guest RAM.
     Boot {
         /// Runs of each VMM (the median is reported).
         #[arg(long, default_value_t = 5)]
         rounds: usize,
+        /// Also boot each VMM once with initcall timing and show where the boot went.
+        #[arg(long)]
+        profile: bool,
         /// Where VMs run.
         #[arg(long, value_enum, default_value = "auto")]
         runner: RunnerArg,
@@ -398,7 +402,7 @@ fn main() -> ExitCode {
             soak(&plan, kill, seed, l1.config(), arg)
         }
         Cmd::Fuzz { minutes } => fuzz(minutes),
-        Cmd::Bench { what: BenchCmd::Boot { rounds, runner: arg } } => bench_boot(rounds, arg),
+        Cmd::Bench { what: BenchCmd::Boot { rounds, profile, runner: arg } } => bench_boot(rounds, profile, arg),
         Cmd::Bench { what: BenchCmd::Topology { rounds, runner: arg } } => bench_topology(rounds, arg),
         Cmd::Bench { what: BenchCmd::Ecam } => bench::ecam().map(|_| exit::PASS),
         Cmd::Bench { what: BenchCmd::Vfio { rounds } } => bench_vfio(rounds),
@@ -649,12 +653,12 @@ fn boot(
     })
 }
 
-fn bench_boot(rounds: usize, arg: RunnerArg) -> Result<i32> {
+fn bench_boot(rounds: usize, profile: bool, arg: RunnerArg) -> Result<i32> {
     let artifacts = build::artifacts()?;
     host::require_commands(&[("qemu-system-x86_64", "qemu-system-x86")])?;
     run_interruptible(async {
         let runner = runner(artifacts, arg, false).await?;
-        bench::boot(&runner, rounds).await?;
+        bench::boot(&runner, rounds, profile).await?;
         Ok(exit::PASS)
     })
 }

@@ -1244,6 +1244,7 @@ mod tests {
             console: console.clone(),
             elapsed: Duration::from_secs(3),
             time_to_ktap: None,
+            kvm_exits: None,
             stats: None,
             l1_incidents: Vec::new(),
             silent_resets: 0,
