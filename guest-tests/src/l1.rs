@@ -12,6 +12,9 @@ use std::time::{Duration, Instant};
 use gdrvm_model::kvm_exits::{KvmExits, DEBUGFS_KVM};
 use gdrvm_model::l1::{job_output_prefix, L1Job, L1Jobs, IN_L1_ENV, JOBS_PATH, LEFT_BEHIND, MARKER};
 
+/// Whether shared memory (memfds) may be backed by transparent huge pages.
+const SHMEM_THP: &str = "/sys/kernel/mm/transparent_hugepage/shmem_enabled";
+
 /// Exit status of L1 when it could not run its jobs.
 const CANNOT_TEST: u8 = 125;
 
@@ -41,6 +44,11 @@ pub fn run() -> u8 {
     // host reads no counts.
     if let Err(e) = crate::sys::mount("debugfs", "/sys/kernel/debug", "debugfs") {
         println!("# gdrvm-l1: cannot mount debugfs, no exit counts: {e}");
+    }
+    // Huge pages for memfd-backed guest RAM (gdrvm's), as anonymous RAM (QEMU's) gets
+    // them by default: each nested page fault is a costly exit.
+    if let Err(e) = std::fs::write(SHMEM_THP, "advise") {
+        println!("# gdrvm-l1: cannot enable huge pages for guest RAM ({SHMEM_THP}): {e}");
     }
     println!("{MARKER}ready");
     for (i, job) in jobs.jobs.iter().enumerate() {
