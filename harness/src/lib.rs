@@ -16,7 +16,7 @@ mod runner;
 mod spec;
 
 pub use artifacts::{gdrvm_dir, Artifacts, ArtifactsError, BootImage};
-pub use nested::{L1Config, TcgThreads};
+pub use nested::{L1Config, TcgThreads, L1_CPU};
 pub use probe::{choose, RunnerChoice};
 pub use result::{exit, GdrvmStats, L1Failure, L1Incident, VmOutcome, VmResult, TAIL_LINES};
 pub use runner::{HarnessError, Runner, RunnerKind};

@@ -277,7 +277,7 @@ struct L1Opts {
     #[arg(long, value_enum, default_value = "multi")]
     l1_tcg: TcgArg,
     /// QEMU CPU model of L1 (it must offer SVM with NPT).
-    #[arg(long, default_value = "max,phys-bits=46")]
+    #[arg(long, default_value = gdrvm_harness::L1_CPU)]
     l1_cpu: String,
     /// L1's vCPUs.
     #[arg(long, default_value_t = 2)]
