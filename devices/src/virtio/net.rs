@@ -162,6 +162,10 @@ pub struct NetStats {
     pub malformed: u64,
     /// Times the device set DEVICE_NEEDS_RESET.
     pub needs_reset: u64,
+    /// Receive doorbell writes (driver notifications) the receive worker has handled.
+    pub rx_kicks: u64,
+    /// Transmit doorbell writes the transmit worker has handled.
+    pub tx_kicks: u64,
     /// The port's own counters, when a port is attached.
     pub wire: Option<WireStats>,
 }
@@ -177,6 +181,8 @@ struct Counters {
     rx_dropped: AtomicU64,
     malformed: AtomicU64,
     needs_reset: AtomicU64,
+    rx_kicks: AtomicU64,
+    tx_kicks: AtomicU64,
     /// Guest oddities already logged.
     odd: LogOnce,
 }
@@ -272,6 +278,8 @@ impl VirtioNet {
             rx_dropped: get(&c.rx_dropped),
             malformed: get(&c.malformed),
             needs_reset: get(&c.needs_reset),
+            rx_kicks: get(&c.rx_kicks),
+            tx_kicks: get(&c.tx_kicks),
             wire: self.port.as_ref().map(|p| p.stats()),
         }
     }
@@ -658,6 +666,8 @@ impl Datapath {
                 .ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, token))
                 .map_err(|e| Fatal(format!("cannot watch the doorbell: {e}")))?;
         }
+        // Doorbell writes this worker made itself (the transmit budget's come-back).
+        let mut own_kicks = 0u64;
         // Buffers the driver posted before DRIVER_OK.
         match self.role {
             Role::Rx => {
@@ -666,6 +676,7 @@ impl Datapath {
             }
             Role::Tx => {
                 if self.process_tx()? {
+                    own_kicks += 1;
                     let _ = kick.write(1);
                 }
             }
@@ -681,17 +692,21 @@ impl Datapath {
                 match (event.data(), self.role) {
                     (TOKEN_STOP, _) => return Ok(()),
                     (TOKEN_KICK, Role::Rx) => {
-                        let _ = kick.read();
+                        let kicks = kick.read().unwrap_or(0);
                         // New buffers: frames waiting in the port can go in.
                         self.arm_port(&epoll, true);
                         self.process_rx(&epoll)?;
+                        Counters::add(&self.counters.rx_kicks, kicks);
                     }
                     (TOKEN_KICK, Role::Tx) => {
-                        let _ = kick.read();
+                        // The driver's kicks, not the ones this worker gave itself.
+                        let kicks = kick.read().unwrap_or(0).saturating_sub(std::mem::take(&mut own_kicks));
                         // Budget spent: come back after a look at the stop eventfd.
                         if self.process_tx()? {
+                            own_kicks += 1;
                             let _ = kick.write(1);
                         }
+                        Counters::add(&self.counters.tx_kicks, kicks);
                     }
                     _ => self.process_rx(&epoll)?,
                 }

@@ -152,6 +152,8 @@ struct Guest {
     next_desc: [u16; 2],
     avail: [u16; 2],
     used_seen: [u16; 2],
+    /// Doorbell writes made, per queue.
+    kicks: [u64; 2],
 }
 
 impl Guest {
@@ -181,7 +183,7 @@ impl Guest {
         let vectors: Vec<EventFd> = (0..16).map(|_| EventFd::new(EFD_NONBLOCK).unwrap()).collect();
         let refs: Vec<&EventFd> = vectors.iter().collect();
         dev.connect_msix(Some(&refs)).unwrap();
-        Guest { dev, mem, vectors, peer, paused, next_desc: [0; 2], avail: [0; 2], used_seen: [0; 2] }
+        Guest { dev, mem, vectors, peer, paused, next_desc: [0; 2], avail: [0; 2], used_seen: [0; 2], kicks: [0; 2] }
     }
 
     /// A device with a port, negotiated and running.
@@ -314,6 +316,7 @@ impl Guest {
     }
 
     fn kick(&mut self, q: usize) {
+        self.kicks[q] += 1;
         self.dev.bar_write(0, NOTIFY_CFG + q as u64 * u64::from(NOTIFY_OFF_MULTIPLIER), &(q as u16).to_le_bytes());
     }
 
@@ -373,9 +376,10 @@ impl Guest {
         head
     }
 
-    /// Makes sure the worker has finished everything it was doing on the other queue than
-    /// `via`: one chain on `via` goes through (a frame out, or a frame in), and the single
-    /// worker handles it only after it has returned (and signalled) what it did before.
+    /// Makes sure both workers have finished what they were doing: one chain on `via` goes
+    /// through (a frame out, or a frame in), and each worker has handled every doorbell
+    /// write made to its queue (the other queue's worker runs on a thread of its own, so
+    /// the chain alone says nothing of it).
     fn settle(&mut self, via: usize) {
         if via == TX_QUEUE {
             let mut bytes = vec![0u8; NET_HDR_LEN];
@@ -387,6 +391,15 @@ impl Guest {
             self.send_from_wire(&frame(60, 0x5e));
         }
         self.wait_used(via, 1);
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let stats = self.dev.stats();
+            if [stats.rx_kicks, stats.tx_kicks] == [self.kicks[RX_QUEUE], self.kicks[TX_QUEUE]] {
+                return;
+            }
+            assert!(Instant::now() < deadline, "workers handled {stats:?} of {:?} kicks", self.kicks);
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     fn send_from_wire(&self, frame: &[u8]) {
