@@ -64,7 +64,7 @@ pub struct VmResult {
     /// the first, and this result is that run's.
     pub l1_incidents: Vec<L1Incident>,
     /// Runs of this VM before this one that reset before printing anything (nested runs
-    /// run such a guest again once).
+    /// run such a guest again, up to twice).
     pub silent_resets: u32,
 }
 
@@ -199,7 +199,7 @@ impl VmResult {
     /// either before the agent printed anything or by a triple fault the VMM saw: the
     /// guest's CPU state went bad with no oops, the way nested runs under QEMU TCG now and
     /// then lose a guest (early in boot, and, rarely, under heavy interrupt traffic). The
-    /// nested runner runs such a guest again, once, and keeps the first run's end.
+    /// nested runner runs such a guest again (up to twice) and keeps each earlier run's end.
     ///
     /// In a cluster run (consoles prefixed `[node] `), one node's guest doing so counts too.
     pub fn silent_reset(&self) -> bool {

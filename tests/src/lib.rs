@@ -175,7 +175,11 @@ fn run_batch() -> Result<Vec<VmResult>, String> {
         runner.echo = std::env::var_os("GDRVM_ECHO").is_some();
         let results = runner.run(&specs(&a)?).await.map_err(|e| e.to_string())?;
         for r in &results {
-            eprintln!("e2e: {}: {:?} in {:.1?}", r.name, r.outcome, r.elapsed);
+            let reruns = match r.silent_resets {
+                0 => String::new(),
+                n => format!(" (after {n} silent reset(s), each run again)"),
+            };
+            eprintln!("e2e: {}: {:?} in {:.1?}{reruns}", r.name, r.outcome, r.elapsed);
         }
         Ok(results)
     })
