@@ -783,8 +783,11 @@ impl Datapath {
                 .map_err(|e| Fatal(format!("transmit queue: cannot return a chain: {e}")))?;
             used += 1;
         }
-        let more = if used == BUDGET {
-            has_available(queue, &self.mem)?
+        // A full budget that emptied the ring exactly must ask for the next kick as well:
+        // with EVENT_IDX the available event index would stay where the device last asked,
+        // behind the driver, which then never kicks again (a stall seen with a full ring).
+        let more = if used == BUDGET && has_available(queue, &self.mem)? {
+            true
         } else if event_idx {
             // The ring is empty: ask for the next kick, and take what came meanwhile.
             rearm(queue, &self.mem, TX_QUEUE)?
