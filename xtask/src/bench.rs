@@ -257,20 +257,23 @@ fn print_profiles(results: &[VmResult]) {
         return;
     }
     let header: String = runs.iter().map(|(n, _)| format!("{n:>16}")).collect();
+    // `KIND VALUE KEY...` lines; a line too short to have a key is ignored.
     let value = |lines: &[Vec<String>], kind: &str, key: &str| -> Option<String> {
-        lines.iter().find(|w| w[0] == kind && w[2..].join(" ") == key).map(|w| w[1].clone())
+        lines.iter().find(|w| w.len() > 2 && w[0] == kind && w[2..].join(" ") == key).map(|w| w[1].clone())
     };
-    println!("xtask: bench: profile: milestones (seconds of kernel time){header}");
-    let mut names: Vec<String> = Vec::new();
-    for (_, lines) in &runs {
-        for w in lines.iter().filter(|w| w[0] == "milestone" && w.len() > 2) {
-            let n = w[2..].join(" ");
-            if !names.contains(&n) {
-                names.push(n);
+    // Every key of `kind` any run reported, in the order first seen.
+    let keys = |kind: &str| -> Vec<String> {
+        let mut keys: Vec<String> = Vec::new();
+        for w in runs.iter().flat_map(|(_, lines)| lines).filter(|w| w.len() > 2 && w[0] == kind) {
+            let key = w[2..].join(" ");
+            if !keys.contains(&key) {
+                keys.push(key);
             }
         }
-    }
-    for n in &names {
+        keys
+    };
+    println!("xtask: bench: profile: milestones (seconds of kernel time){header}");
+    for n in &keys("milestone") {
         let row: String =
             runs.iter().map(|(_, l)| format!("{:>16}", value(l, "milestone", n).unwrap_or("-".into()))).collect();
         println!("xtask: bench: profile:   {n:<36}{row}");
@@ -286,15 +289,7 @@ fn print_profiles(results: &[VmResult]) {
         })
         .collect();
     println!("xtask: bench: profile:   {:<36}{totals}", "initcalls (total time/count)");
-    let mut calls: Vec<String> = Vec::new();
-    for (_, lines) in &runs {
-        for w in lines.iter().filter(|w| w[0] == "initcall" && w.len() > 2) {
-            let f = w[2..].join(" ");
-            if !calls.contains(&f) {
-                calls.push(f);
-            }
-        }
-    }
+    let mut calls = keys("initcall");
     let slowest =
         |f: &String| runs.iter().filter_map(|(_, l)| value(l, "initcall", f)?.parse::<u64>().ok()).max().unwrap_or(0);
     calls.sort_by_key(|f| std::cmp::Reverse(slowest(f)));
