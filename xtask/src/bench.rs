@@ -123,15 +123,7 @@ fn boot_figures(name: &'static str, mine: &[&VmResult]) -> BootFigures {
     match shown {
         Some(m) => {
             // Each kind's median over the runs, the largest first.
-            let mut kinds: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
-            for e in &counted {
-                for (kind, n) in e.kinds() {
-                    kinds.entry(kind).or_default().push(n as f64);
-                }
-            }
-            let mut kinds: Vec<(&str, f64)> =
-                kinds.into_iter().filter_map(|(k, v)| Some((k, median(v)?))).collect();
-            kinds.sort_by(|a, b| b.1.total_cmp(&a.1));
+            let kinds = median_by_kind(counted.iter().flat_map(|e| e.kinds()));
             let top: Vec<String> =
                 kinds.iter().take(TOP_KINDS).map(|(k, n)| format!("{k} {n:.0}")).collect();
             println!(
@@ -147,6 +139,17 @@ fn boot_figures(name: &'static str, mine: &[&VmResult]) -> BootFigures {
         ),
     }
     BootFigures { name, time, exits }
+}
+
+/// Each kind's median count over the runs that reported it, the largest first.
+fn median_by_kind<'a>(counts: impl Iterator<Item = (&'a str, u64)>) -> Vec<(&'a str, f64)> {
+    let mut by_kind: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    for (kind, n) in counts {
+        by_kind.entry(kind).or_default().push(n as f64);
+    }
+    let mut kinds: Vec<(&str, f64)> = by_kind.into_iter().filter_map(|(k, v)| Some((k, median(v)?))).collect();
+    kinds.sort_by(|a, b| b.1.total_cmp(&a.1));
+    kinds
 }
 
 /// Prints gdrvm's figure over the best QEMU's as a ratio against its target.
@@ -213,14 +216,7 @@ fn print_gdrvm_stats(runs: Vec<&VmResult>) {
     for (name, ms) in phases {
         println!("xtask: bench:   setup phase {name:<36} median {:.2} ms", median(ms).unwrap_or(0.0));
     }
-    let mut kinds: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
-    for s in &stats {
-        for (kind, n) in &s.vmm_exit_kinds {
-            kinds.entry(kind).or_default().push(*n as f64);
-        }
-    }
-    let mut kinds: Vec<(&str, f64)> = kinds.into_iter().filter_map(|(k, v)| Some((k, median(v)?))).collect();
-    kinds.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let kinds = median_by_kind(stats.iter().flat_map(|s| s.vmm_exit_kinds.iter().map(|(k, n)| (k.as_str(), *n))));
     let served: Vec<f64> = stats.iter().map(|s| s.vmm_exits as f64).collect();
     println!(
         "xtask: bench: gdrvm exits served by the VMM (to power-off): median {}; by device: {}",
