@@ -300,6 +300,34 @@ fn print_profiles(results: &[VmResult]) {
             println!("xtask: bench: profile: {name}: silent {} s before {} s: {}", w[1], w[2], w[3..].join(" "));
         }
     }
+    print_cpu_flag_differences(&runs);
+}
+
+/// Prints the CPU features each QEMU guest saw that gdrvm's did not, and the reverse: the
+/// same kernel picks its string copies, checksums and ciphers by them.
+fn print_cpu_flag_differences(runs: &[(&str, Vec<Vec<String>>)]) {
+    let flags = |lines: &[Vec<String>]| -> Option<Vec<String>> {
+        lines.iter().find(|w| w.len() > 1 && w[0] == "cpuflags").map(|w| w[2..].to_vec())
+    };
+    let Some(((first, _), mine)) = runs.first().and_then(|r| Some((r, flags(&r.1)?))) else {
+        return;
+    };
+    for (name, lines) in &runs[1..] {
+        let Some(theirs) = flags(lines) else { continue };
+        let only = |a: &[String], b: &[String]| -> String {
+            let d: Vec<&str> = a.iter().filter(|f| !b.contains(f)).map(String::as_str).collect();
+            if d.is_empty() {
+                "none".into()
+            } else {
+                d.join(" ")
+            }
+        };
+        println!(
+            "xtask: bench: profile: CPU flags only {first} shows: {}; only {name} shows: {}",
+            only(&mine, &theirs),
+            only(&theirs, &mine)
+        );
+    }
 }
 
 /// The nodes `bench topology` compares, in the order each round runs them.

@@ -5,8 +5,10 @@
 //! and the longest silences in the log (a calibration loop, a probe timing out).
 //!
 //! Every figure is a diagnostic line prefixed [`LINE_PREFIX`]: `milestone SECONDS NAME`,
-//! `initcall USECS FUNCTION`, `initcalls USECS COUNT` (their sum) and
-//! `gap SECONDS AT_SECONDS LINE` (the line that ended the silence).
+//! `initcall USECS FUNCTION`, `initcalls USECS COUNT` (their sum),
+//! `gap SECONDS AT_SECONDS LINE` (the line that ended the silence) and `cpuflags N FLAG...`
+//! (the CPU features Linux saw, N of them: a VMM that hides or adds one changes which code
+//! the guest runs, such as its string copies).
 
 use crate::context::Context;
 use crate::ktap::{Check, Verdict};
@@ -19,11 +21,15 @@ const TOP_INITCALLS: usize = 20;
 const TOP_GAPS: usize = 8;
 
 /// Log lines that mark a stage of the boot, with the milestone's name.
-const MILESTONES: [(&str, &str); 6] = [
+const MILESTONES: [(&str, &str); 9] = [
     ("Linux version", "kernel start"),
     ("tsc: Refined TSC", "TSC refined"),
     ("ACPI: Interpreter enabled", "ACPI up"),
     ("PCI host bridge to bus", "PCI scan start"),
+    // Linux 6.1 says the first with CONFIG_BLK_DEV_RAM, the second without.
+    ("Trying to unpack rootfs image as initramfs", "initramfs unpack start"),
+    ("Unpacking initramfs", "initramfs unpack start"),
+    ("Freeing initrd memory", "initramfs unpacked"),
     ("Freeing unused kernel image", "kernel init done"),
     ("Run /init as init process", "init started"),
 ];
@@ -36,7 +42,18 @@ pub fn run(_ctx: &Context) -> Vec<Check> {
     let uptime =
         std::fs::read_to_string("/proc/uptime").ok().and_then(|u| u.split_whitespace().next()?.parse::<f64>().ok());
     let lines = parse_log(&log);
-    vec![milestones(&lines, uptime), initcalls(&lines), gaps(&lines)]
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    vec![milestones(&lines, uptime), initcalls(&lines), gaps(&lines), cpu_flags(&cpuinfo)]
+}
+
+/// The first CPU's `flags` line of `/proc/cpuinfo`, sorted.
+fn cpu_flags(cpuinfo: &str) -> Check {
+    let Some(flags) = cpuinfo.lines().find_map(|l| l.strip_prefix("flags")?.split_once(':').map(|(_, f)| f)) else {
+        return Check::new("cpu_flags", Verdict::Skip("/proc/cpuinfo has no flags line".into()));
+    };
+    let mut flags: Vec<&str> = flags.split_whitespace().collect();
+    flags.sort_unstable();
+    Check::new("cpu_flags", Verdict::Pass).note(format!("{LINE_PREFIX}cpuflags {} {}", flags.len(), flags.join(" ")))
 }
 
 /// One timestamped kernel log line: seconds since boot and the text.
@@ -143,5 +160,12 @@ mod tests {
         let g = gaps(&lines);
         assert!(g.diagnostics[0].starts_with("profile| gap 0.800 0.900 initcall i8042_init"), "{:?}", g.diagnostics);
         assert!(matches!(initcalls(&lines[..2]).verdict, Verdict::Skip(_)));
+    }
+
+    #[test]
+    fn test_lists_the_first_cpus_flags_sorted() {
+        let cpuinfo = "processor\t: 0\nflags\t\t: fpu sse2 erms avx\n\nprocessor\t: 1\nflags\t\t: fpu\n";
+        assert_eq!(cpu_flags(cpuinfo).diagnostics, vec!["profile| cpuflags 4 avx erms fpu sse2".to_owned()]);
+        assert!(matches!(cpu_flags("processor\t: 0\n").verdict, Verdict::Skip(_)));
     }
 }
