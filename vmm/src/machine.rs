@@ -18,7 +18,7 @@ use gdrvm_model::layout;
 use gdrvm_model::node::Node;
 use gdrvm_model::{Expectations, DEBUG_EXIT_PORT};
 use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, CpuId, KVM_MAX_CPUID_ENTRIES, KVM_PIT_SPEAKER_DUMMY};
-use kvm_ioctls::{Kvm, VcpuFd, VmFd};
+use kvm_ioctls::{Cap, Kvm, VcpuFd, VmFd};
 use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
@@ -170,8 +170,9 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
     register_memory(&vm, &ram.memory)?;
     phases.mark("guest memory");
 
-    let supported_cpuid =
+    let mut supported_cpuid =
         kvm_sys.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(kvm("read the supported CPUID"))?;
+    vcpu::announce_emulated_features(&mut supported_cpuid, kvm_sys.check_extension(Cap::TscDeadlineTimer));
     check_address_bits(&supported_cpuid, &config.node)?;
     let mmio = Arc::new(Bus::new("mmio"));
     // Dropped when `run` returns, whatever the path: BARs leave the guest, devices reset.

@@ -126,6 +126,21 @@ fn segment(index: u16, flags: u16, base: u32, limit: u32) -> kvm_segment {
     }
 }
 
+/// CPUID leaf 1 ECX bit: the LAPIC timer has TSC-deadline mode.
+const CPUID_1_ECX_TSC_DEADLINE: u32 = 1 << 24;
+
+/// Adds to KVM's supported CPUID what KVM emulates but leaves to the VMM to announce, as
+/// QEMU, Firecracker and Cloud Hypervisor do: the TSC-deadline timer, when the in-kernel
+/// LAPIC has it (`KVM_CAP_TSC_DEADLINE_TIMER`). Without it Linux programs its timer through
+/// the LAPIC's count registers, and the kernels these guests run pick their timer by it.
+pub fn announce_emulated_features(cpuid: &mut CpuId, tsc_deadline: bool) {
+    for e in cpuid.as_mut_slice().iter_mut().filter(|e| e.function == 0x1) {
+        if tsc_deadline {
+            e.ecx |= CPUID_1_ECX_TSC_DEADLINE;
+        }
+    }
+}
+
 /// Per-vCPU CPUID: the host's supported leaves, with this vCPU's APIC id and package
 /// layout in the topology leaves (Intel 0x1, 0x4, 0xb, 0x1f; AMD 0x8000_0008, 0x8000_001d,
 /// 0x8000_001e) and the last-level cache shared by the package only.
@@ -430,6 +445,16 @@ mod tests {
         assert_eq!((cs32.l, cs32.db), (0, 1));
         let tr = segment(3, GDT_TSS, 0, 0xfffff);
         assert_eq!((tr.selector, tr.s, tr.type_), (0x18, 0, 0xb));
+    }
+
+    #[test]
+    fn test_tsc_deadline_is_announced_only_when_kvm_has_it() {
+        let leaf1 = kvm_bindings::kvm_cpuid_entry2 { function: 0x1, ecx: 0x1, ..Default::default() };
+        let mut cpuid = CpuId::from_entries(&[leaf1]).unwrap();
+        announce_emulated_features(&mut cpuid, false);
+        assert_eq!(cpuid.as_slice()[0].ecx, 0x1);
+        announce_emulated_features(&mut cpuid, true);
+        assert_eq!(cpuid.as_slice()[0].ecx, 0x1 | 1 << 24);
     }
 
     #[test]
