@@ -6,6 +6,7 @@
 //! uncompressed cpio initramfs with the caller's extra files (the agent as `/init`).
 //! A second build with nothing changed does no work.
 
+mod boot_elf;
 mod debian;
 mod initramfs;
 mod kernel;
@@ -254,6 +255,10 @@ fn cache_key(recipe: &Recipe, custom: &Customization, kernel: &ResolvedKernel) -
     Ok(hex(&h.finalize()))
 }
 
+/// The cached kernel's file name: a compacted vmlinux (a cache from before compaction,
+/// named `vmlinux`, is left alone and no longer used).
+const BOOT_VMLINUX: &str = "vmlinux.boot";
+
 /// The kernel an image boots, ready: its vmlinux in the cache and its modules' directory.
 struct ResolvedKernel {
     vmlinux: PathBuf,
@@ -262,7 +267,8 @@ struct ResolvedKernel {
 }
 
 /// Writes the kernel of `image` to `vmlinux` if missing: its ELF vmlinux (an ELF already, or
-/// extracted from an xz or zstd bzImage, so boots skip the decompressor). With
+/// extracted from an xz or zstd bzImage, so boots skip the decompressor), compacted (see
+/// [`boot_elf`]: its zero runs left out of the file, so boots copy half as much). With
 /// `keep_bzimage`, a bzImage whose payload cannot be extracted (gzip, lz4: a tree's
 /// default) is kept as it is; the VMM boots bzImages too, only slower.
 fn place_vmlinux(image: &Path, vmlinux: &Path, keep_bzimage: bool, progress: &Progress) -> Result<(), ImageError> {
@@ -283,6 +289,24 @@ fn place_vmlinux(image: &Path, vmlinux: &Path, keep_bzimage: bool, progress: &Pr
             Err(e) => return Err(e),
         }
     };
+    let elf = if elf.starts_with(b"\x7fELF") {
+        match boot_elf::compact(&elf) {
+            Ok(small) => {
+                progress(&format!(
+                    "vmlinux compacted: {} MB of {} MB kept in the file, the rest zeros",
+                    small.len() >> 20,
+                    elf.len() >> 20
+                ));
+                small
+            }
+            Err(e) => {
+                progress(&format!("booting the vmlinux uncompacted ({e})"));
+                elf
+            }
+        }
+    } else {
+        elf
+    };
     let dir = vmlinux.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).map_err(io(dir))?;
     let tmp = vmlinux.with_extension("partial");
@@ -297,7 +321,7 @@ fn resolve_kernel(source: &KernelSource, cache: &Cache, progress: &Progress) -> 
             let deb = fetch(&kernel.pin, cache, progress)?;
             let tree = cache.dir("unpacked")?.join(format!("{}_{}", kernel.pin.package, kernel.pin.version));
             debian::unpack(&deb, &tree, progress)?;
-            let vmlinux = cache.root.join("kernels").join(&kernel.release).join("vmlinux");
+            let vmlinux = cache.root.join("kernels").join(&kernel.release).join(BOOT_VMLINUX);
             place_vmlinux(&tree.join("boot").join(format!("vmlinuz-{}", kernel.release)), &vmlinux, false, progress)?;
             Ok(ResolvedKernel {
                 vmlinux,
@@ -312,7 +336,7 @@ fn resolve_kernel(source: &KernelSource, cache: &Cache, progress: &Progress) -> 
             // By content: a kernel tree rebuilds the same release with other code.
             let data = std::fs::read(image).map_err(io(image))?;
             let digest = hex(&Sha256::digest(&data));
-            let vmlinux = cache.root.join("kernels").join(format!("built-{}", &digest[..16])).join("vmlinux");
+            let vmlinux = cache.root.join("kernels").join(format!("built-{}", &digest[..16])).join(BOOT_VMLINUX);
             place_vmlinux(image, &vmlinux, true, progress)?;
             Ok(ResolvedKernel { vmlinux, modules_dir, release })
         }
