@@ -97,11 +97,26 @@ pub fn load(
     rsdp: u64,
     phases: &mut SetupPhases,
 ) -> Result<BootEntry, BootError> {
-    let kernel = load_kernel(mem, config)?;
+    // The two biggest copies of the setup run side by side: the initrd's place depends only
+    // on RAM and its size, and is checked against the kernel's end once both are in.
+    let initrd = initrd.map(|source| (source, initrd_addr(config.memory, source.size())));
+    let (kernel, loaded) = std::thread::scope(|s| {
+        let job =
+            initrd.and_then(|(source, addr)| addr.map(|addr| s.spawn(move || source.load(mem, GuestAddress(addr)))));
+        let kernel = load_kernel(mem, config);
+        (kernel, job.map(|job| job.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))))
+    });
+    let kernel = kernel?;
+    loaded.transpose()?;
+    let initrd = match initrd {
+        Some((source, Some(addr))) if addr >= kernel.kernel_end => Some((addr, source.size())),
+        Some((source, _)) => {
+            return Err(BootError::InitrdTooBig { size: source.size(), kernel_end: kernel.kernel_end })
+        }
+        None => None,
+    };
     let cmdline = write_cmdline(mem, &config.cmdline)?;
-    phases.mark("kernel load");
-    let initrd = initrd.map(|source| write_initrd(mem, config.memory, source, kernel.kernel_end)).transpose()?;
-    phases.mark("initramfs load");
+    phases.mark("kernel and initramfs load, side by side");
     let e820 = layout::e820_map(config.memory);
 
     match kernel.pvh_boot_cap {
@@ -142,22 +157,11 @@ fn write_cmdline(mem: &GuestMemoryMmap, text: &str) -> Result<(u64, usize), Boot
     Ok((layout::CMDLINE_START, text.len() + 1))
 }
 
-/// Places the initrd as high as it goes below the MMIO hole (and 2 GiB), page-aligned.
-fn write_initrd(
-    mem: &GuestMemoryMmap,
-    memory: u64,
-    initrd: &dyn InitrdSource,
-    kernel_end: u64,
-) -> Result<(u64, usize), BootError> {
-    let size = initrd.size();
-    let too_big = || BootError::InitrdTooBig { size, kernel_end };
+/// Where the initrd goes: as high as it fits below the MMIO hole (and 2 GiB), page-aligned;
+/// `None` if it is bigger than that.
+fn initrd_addr(memory: u64, size: usize) -> Option<u64> {
     let top = layout::low_ram_end(memory).min(INITRD_ADDR_MAX);
-    let addr = top.checked_sub(size as u64).ok_or_else(too_big)? & !0xfff;
-    if addr < kernel_end {
-        return Err(too_big());
-    }
-    initrd.load(mem, GuestAddress(addr))?;
-    Ok((addr, size))
+    Some(top.checked_sub(size as u64)? & !0xfff)
 }
 
 fn write_pvh_start_info(

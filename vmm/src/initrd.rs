@@ -66,7 +66,7 @@ pub struct Initrd {
 }
 
 /// Something boot can place in guest memory as the initrd.
-pub trait InitrdSource {
+pub trait InitrdSource: Sync {
     /// Bytes the initrd takes in guest memory.
     fn size(&self) -> usize;
     /// Writes the initrd at `addr` (with [`InitrdSource::size`] bytes of guest RAM there).
