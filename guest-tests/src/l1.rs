@@ -9,7 +9,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use gdrvm_model::kvm_exits::{KvmExits, DEBUGFS_KVM};
+use gdrvm_model::kvm_exits::{ExitReasons, KvmExits, Vendor, DEBUGFS_KVM, TRACEFS};
 use gdrvm_model::l1::{job_output_prefix, L1Job, L1Jobs, IN_L1_ENV, JOBS_PATH, LEFT_BEHIND, MARKER};
 
 /// Whether shared memory (memfds) may be backed by transparent huge pages.
@@ -45,6 +45,15 @@ pub fn run() -> u8 {
     if let Err(e) = crate::sys::mount("debugfs", "/sys/kernel/debug", "debugfs") {
         println!("# gdrvm-l1: cannot mount debugfs, no exit counts: {e}");
     }
+    // Exits by reason and MSR accesses by register, from histograms on KVM's tracepoints.
+    let reasons = match (Vendor::loaded(), ExitReasons::start(Path::new(TRACEFS))) {
+        (Some(vendor), Ok(())) => Some(vendor),
+        (None, _) => None,
+        (_, Err(e)) => {
+            println!("# gdrvm-l1: no exits by reason (hist triggers on KVM's tracepoints): {e}");
+            None
+        }
+    };
     // Huge pages for memfd-backed guest RAM (gdrvm's), as anonymous RAM (QEMU's) gets
     // them by default: each nested page fault is a costly exit.
     if let Err(e) = std::fs::write(SHMEM_THP, "advise") {
@@ -54,7 +63,9 @@ pub fn run() -> u8 {
     for (i, job) in jobs.jobs.iter().enumerate() {
         println!("{MARKER}job {i} start");
         let started = Instant::now();
-        let result = if jobs.interactive { run_attached(job) } else { run_relayed(i, job) };
+        // The histograms count every VM: they start from zero for each job.
+        let reasons = reasons.filter(|_| ExitReasons::start(Path::new(TRACEFS)).is_ok());
+        let result = if jobs.interactive { run_attached(job) } else { run_relayed(i, job, reasons) };
         match result {
             Ok(Some(code)) => {
                 let line = format!("{MARKER}job {i} exit {code} {}", started.elapsed().as_millis());
@@ -133,13 +144,13 @@ fn run_attached(job: &L1Job) -> std::io::Result<Option<i32>> {
     Ok(Some(code(command(job).status()?)))
 }
 
-/// Relays a job's output; with `first_ktap` (when the job started, and its pid), also
-/// reports when the first KTAP line arrived and the exits KVM counted for the job's VM
-/// until then.
+/// Relays a job's output; with `first_ktap` (when the job started, its pid, and the exit
+/// histograms' vendor where they count), also reports when the first KTAP line arrived and
+/// the exits KVM counted for the job's VM until then.
 fn relay(
     job: usize,
     stream: impl Read + Send + 'static,
-    first_ktap: Option<(Instant, u32)>,
+    first_ktap: Option<(Instant, u32, Option<Vendor>)>,
 ) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let prefix = job_output_prefix(job);
@@ -148,8 +159,15 @@ fn relay(
             let line = String::from_utf8_lossy(&line);
             let line = line.trim_end_matches('\r');
             if line == "KTAP version 1" {
-                if let Some((t, pid)) = first_ktap.take() {
+                if let Some((t, pid, reasons)) = first_ktap.take() {
                     println!("{MARKER}job {job} ktap {}", t.elapsed().as_millis());
+                    if let Some(vendor) = reasons {
+                        match ExitReasons::read(Path::new(TRACEFS), vendor).map(|r| serde_json::to_string(&r)) {
+                            Ok(Ok(json)) => println!("{MARKER}job {job} reasons {json}"),
+                            Ok(Err(e)) => println!("# gdrvm-l1: job {job}: exits by reason: {e}"),
+                            Err(e) => println!("# gdrvm-l1: job {job}: no exits by reason: {e}"),
+                        }
+                    }
                     match KvmExits::read(Path::new(DEBUGFS_KVM), pid) {
                         Ok(exits) => match serde_json::to_string(&exits) {
                             Ok(json) => println!("{MARKER}job {job} exits {json}"),
@@ -164,12 +182,12 @@ fn relay(
     })
 }
 
-fn run_relayed(i: usize, job: &L1Job) -> std::io::Result<Option<i32>> {
+fn run_relayed(i: usize, job: &L1Job, reasons: Option<Vendor>) -> std::io::Result<Option<i32>> {
     let started = Instant::now();
     let mut child = command(job).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
     let pid = child.id();
     let relays: Vec<_> = [
-        child.stdout.take().map(|s| relay(i, s, Some((started, pid)))),
+        child.stdout.take().map(|s| relay(i, s, Some((started, pid, reasons)))),
         child.stderr.take().map(|s| relay(i, s, None)),
     ]
     .into_iter()

@@ -18,6 +18,9 @@ pub enum L1Line<'a> {
     /// The exits KVM counted for job `n`'s VM until its first KTAP line (JSON of
     /// [`gdrvm_model::kvm_exits::KvmExits`]).
     JobExits { job: usize, json: &'a str },
+    /// Job `n`'s exits by reason and MSR accesses until its first KTAP line (JSON of
+    /// [`gdrvm_model::kvm_exits::ExitReasons`]).
+    JobReasons { job: usize, json: &'a str },
     /// Job `n` exited with `code` after `millis`.
     JobExit { job: usize, code: i32, millis: u64 },
     /// Job `n` ran past its timeout and was killed.
@@ -47,6 +50,11 @@ pub fn classify(line: &str) -> L1Line<'_> {
                 _ => L1Line::Other(line),
             },
             ["job", n, "exits", json] => n.parse().map_or(L1Line::Other(line), |job| L1Line::JobExits { job, json }),
+            // The JSON's keys have spaces: it is the rest of the line.
+            ["job", n, "reasons", ..] => match (n.parse(), rest.split_once(" reasons ")) {
+                (Ok(job), Some((_, json))) => L1Line::JobReasons { job, json: json.trim() },
+                _ => L1Line::Other(line),
+            },
             ["job", n, "exit", code, ms] => match (n.parse(), code.parse(), ms.parse()) {
                 (Ok(job), Ok(code), Ok(millis)) => L1Line::JobExit { job, code, millis },
                 _ => L1Line::Other(line),
@@ -83,6 +91,10 @@ mod tests {
         assert_eq!(
             classify(r#"@@gdrvm-l1 job 3 exits {"exits":812,"io_exits":90}"#),
             L1Line::JobExits { job: 3, json: r#"{"exits":812,"io_exits":90}"# }
+        );
+        assert_eq!(
+            classify(r#"@@gdrvm-l1 job 2 reasons {"msr write 0x6e0 TSC deadline":9,"reason hlt":4}"#),
+            L1Line::JobReasons { job: 2, json: r#"{"msr write 0x6e0 TSC deadline":9,"reason hlt":4}"# }
         );
         assert_eq!(
             classify("@@gdrvm-l1 error no /dev/kvm: kvm_amd: ENODEV"),

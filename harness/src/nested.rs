@@ -16,7 +16,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use gdrvm_images::{Initramfs, Source};
-use gdrvm_model::kvm_exits::KvmExits;
+use gdrvm_model::kvm_exits::{ExitReasons, KvmExits};
 use gdrvm_model::l1::{L1Job, L1Jobs, L1Lab, GDRVM_PATH, JOBS_PATH, L1_DIR};
 use tokio::process::Command;
 
@@ -392,6 +392,7 @@ impl Runner {
         let mut outcomes: Vec<Option<(VmOutcome, Duration)>> = vec![None; specs.len()];
         let mut time_to_ktap: Vec<Option<Duration>> = vec![None; specs.len()];
         let mut kvm_exits: Vec<Option<KvmExits>> = vec![None; specs.len()];
+        let mut exit_reasons: Vec<Option<ExitReasons>> = vec![None; specs.len()];
         // L1's own lines, and where each job's stretch of them starts.
         let mut l1_lines: Vec<String> = Vec::new();
         let mut l1_from: Vec<usize> = vec![0; specs.len()];
@@ -424,6 +425,9 @@ impl Runner {
                         }
                         L1Line::JobExits { job, json } if job < specs.len() => {
                             kvm_exits[job] = serde_json::from_str(json).ok();
+                        }
+                        L1Line::JobReasons { job, json } if job < specs.len() => {
+                            exit_reasons[job] = serde_json::from_str(json).ok();
                         }
                         L1Line::JobTimeout(job) if job < specs.len() => {
                             outcomes[job] = Some((VmOutcome::TimedOut, specs[job].timeout));
@@ -490,6 +494,7 @@ impl Runner {
                 let mut result = VmResult::new(&spec.name, outcome, console, elapsed);
                 result.time_to_ktap = ktap_at;
                 result.kvm_exits = exits;
+                result.exit_reasons = exit_reasons[i].take();
                 let stretch = &l1_lines[l1_from[i].min(ends[i])..ends[i]];
                 if let Some(o) = oops::find(stretch) {
                     let console = oops::excerpt(stretch, Some(&o), TAIL_LINES);

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use gdrvm_model::kvm_exits::KvmExits;
+use gdrvm_model::kvm_exits::{ExitReasons, KvmExits};
 
 use crate::ktap::{self, KtapReport};
 use crate::oops::{self, Oops};
@@ -58,6 +58,9 @@ pub struct VmResult {
     /// The exits KVM counted for the VM until its first KTAP line, where the kernel's
     /// counters could be read (debugfs, as root).
     pub kvm_exits: Option<KvmExits>,
+    /// The exits by reason and MSR accesses until the first KTAP line, where KVM's
+    /// tracepoints could be read (nested runs, where L1 runs one job at a time).
+    pub exit_reasons: Option<ExitReasons>,
     /// Figures gdrvm reported about itself (`--stats`).
     pub stats: Option<GdrvmStats>,
     /// L1 failures while this VM ran (nested runs); the VM ran again in a fresh L1 after
@@ -148,6 +151,7 @@ impl VmResult {
             elapsed,
             time_to_ktap: None,
             kvm_exits: None,
+            exit_reasons: None,
             stats,
             l1_incidents: Vec::new(),
             silent_resets: 0,

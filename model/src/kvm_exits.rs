@@ -100,6 +100,206 @@ impl KvmExits {
     }
 }
 
+/// Where the kernel's tracing files are when debugfs is mounted at its usual place.
+pub const TRACEFS: &str = "/sys/kernel/debug/tracing";
+
+/// The histogram of exits by reason, on KVM's `kvm_exit` tracepoint.
+const EXIT_HIST: (&str, &str) = ("events/kvm/kvm_exit", "hist:keys=exit_reason");
+/// The histogram of MSR accesses by register and direction, on `kvm_msr`.
+const MSR_HIST: (&str, &str) = ("events/kvm/kvm_msr", "hist:keys=ecx,write");
+
+/// The exits of the host's VMs by reason, and their MSR accesses by register, counted in
+/// kernel-side histograms (hist triggers) on KVM's tracepoints: what the per-VM counters
+/// do not split, such as MSR writes and CPUID. They count every VM of the host together,
+/// so they are read for one job at a time (L1 runs its jobs one after another).
+///
+/// Keys: `reason NAME` (`reason msr`, `reason cpuid`, ...) and `msr read|write 0xN NAME`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExitReasons(pub BTreeMap<String, u64>);
+
+/// Which vendor's exit codes a host's KVM reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Vendor {
+    /// AMD SVM (`kvm_amd`): VMCB exit codes.
+    Svm,
+    /// Intel VMX (`kvm_intel`): basic exit reasons.
+    Vmx,
+}
+
+impl Vendor {
+    /// The vendor of the loaded KVM module, from sysfs.
+    pub fn loaded() -> Option<Vendor> {
+        if Path::new("/sys/module/kvm_amd").exists() {
+            Some(Vendor::Svm)
+        } else if Path::new("/sys/module/kvm_intel").exists() {
+            Some(Vendor::Vmx)
+        } else {
+            None
+        }
+    }
+
+    /// The name of exit code `code`, or the code in hex.
+    fn exit_name(self, code: u64) -> String {
+        let name = match self {
+            Vendor::Svm => match code {
+                0x00..=0x0f => return format!("cr{} read", code),
+                0x10..=0x1f => return format!("cr{} write", code - 0x10),
+                0x40..=0x5f => return format!("exception {}", code - 0x40),
+                0x60 => "interrupt",
+                0x61 => "nmi",
+                0x64 => "interrupt window",
+                0x65 => "cr0 selective write",
+                0x6e => "rdtsc",
+                0x72 => "cpuid",
+                0x77 => "pause",
+                0x78 => "hlt",
+                0x79 => "invlpg",
+                0x7b => "port i/o",
+                0x7c => "msr",
+                0x7f => "shutdown",
+                0x81 => "vmmcall",
+                0x87 => "rdtscp",
+                0x89 => "wbinvd",
+                0x8d => "xsetbv",
+                0x400 => "nested page fault",
+                _ => return format!("{code:#x}"),
+            },
+            Vendor::Vmx => match code {
+                0 => "exception or nmi",
+                1 => "interrupt",
+                2 => "triple fault",
+                7 => "interrupt window",
+                8 => "nmi window",
+                10 => "cpuid",
+                12 => "hlt",
+                14 => "invlpg",
+                16 => "rdtsc",
+                18 => "vmcall",
+                28 => "cr access",
+                30 => "port i/o",
+                31 => "msr read",
+                32 => "msr write",
+                40 => "pause",
+                44 => "apic access",
+                45 => "eoi induced",
+                48 => "ept violation",
+                49 => "ept misconfig",
+                52 => "preemption timer",
+                54 => "wbinvd",
+                55 => "xsetbv",
+                56 => "apic write",
+                _ => return format!("{code}"),
+            },
+        };
+        name.to_owned()
+    }
+}
+
+/// What an MSR is, for the ones a booting Linux guest touches most.
+fn msr_name(msr: u64) -> &'static str {
+    match msr {
+        0x10 => "TSC",
+        0x1b => "APIC base",
+        0x3b => "TSC adjust",
+        0x48 => "SPEC_CTRL",
+        0x49 => "PRED_CMD",
+        0x1a0 => "MISC_ENABLE",
+        0x200..=0x21f => "MTRR variable",
+        0x250 | 0x258 | 0x259 | 0x268..=0x26f => "MTRR fixed",
+        0x277 => "PAT",
+        0x2ff => "MTRR default type",
+        0x6e0 => "TSC deadline",
+        0x802 => "x2APIC id",
+        0x808 => "x2APIC TPR",
+        0x80b => "x2APIC EOI",
+        0x80f => "x2APIC spurious vector",
+        0x830 => "x2APIC ICR (IPI)",
+        0x832..=0x837 => "x2APIC LVT",
+        0x838 => "x2APIC timer count",
+        0x83e => "x2APIC timer divide",
+        0x4b56_4d00..=0x4b56_4d07 => "KVM paravirtual",
+        0xc000_0080 => "EFER",
+        0xc000_0100..=0xc000_0102 => "FS/GS base",
+        0xc000_0103 => "TSC_AUX",
+        _ => "",
+    }
+}
+
+impl ExitReasons {
+    /// Installs both histograms under `tracefs`, or clears them where they are installed:
+    /// from here on they count for the next job.
+    pub fn start(tracefs: &Path) -> std::io::Result<()> {
+        for (event, spec) in [EXIT_HIST, MSR_HIST] {
+            let trigger = tracefs.join(event).join("trigger");
+            // An identical trigger is refused once installed; `:clear` empties it instead.
+            if std::fs::write(&trigger, spec).is_err() {
+                std::fs::write(&trigger, format!("{spec}:clear"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads both histograms under `tracefs`, naming exit codes as `vendor`'s.
+    pub fn read(tracefs: &Path, vendor: Vendor) -> std::io::Result<ExitReasons> {
+        let exits = std::fs::read_to_string(tracefs.join(EXIT_HIST.0).join("hist"))?;
+        let msrs = std::fs::read_to_string(tracefs.join(MSR_HIST.0).join("hist"))?;
+        Ok(ExitReasons::parse(&exits, &msrs, vendor))
+    }
+
+    /// Parses the `hist` files' entries (`{ exit_reason: 124 } hitcount: 7`, `{ ecx: 1760,
+    /// write: 1 } hitcount: 7`); other lines (comments, totals) are skipped.
+    pub fn parse(exits: &str, msrs: &str, vendor: Vendor) -> ExitReasons {
+        let mut map = BTreeMap::new();
+        for (keys, n) in hist_entries(exits) {
+            if let Some(&code) = keys.get("exit_reason") {
+                *map.entry(format!("reason {}", vendor.exit_name(code))).or_insert(0) += n;
+            }
+        }
+        for (keys, n) in hist_entries(msrs) {
+            if let (Some(&msr), Some(&write)) = (keys.get("ecx"), keys.get("write")) {
+                let dir = if write != 0 { "write" } else { "read" };
+                let key = format!("msr {dir} {msr:#x} {}", msr_name(msr));
+                *map.entry(key.trim_end().to_owned()).or_insert(0) += n;
+            }
+        }
+        ExitReasons(map)
+    }
+
+    /// The `reason ...` entries, largest first, without their prefix.
+    pub fn reasons(&self) -> Vec<(&str, u64)> {
+        self.with_prefix("reason ")
+    }
+
+    /// The `msr ...` entries, largest first, without their prefix.
+    pub fn msrs(&self) -> Vec<(&str, u64)> {
+        self.with_prefix("msr ")
+    }
+
+    fn with_prefix(&self, prefix: &str) -> Vec<(&str, u64)> {
+        let mut v: Vec<(&str, u64)> = self.0.iter().filter_map(|(k, n)| Some((k.strip_prefix(prefix)?, *n))).collect();
+        v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
+        v
+    }
+}
+
+/// The entries of a hist file: each key's numeric value, and the hit count.
+fn hist_entries(text: &str) -> Vec<(BTreeMap<&str, u64>, u64)> {
+    text.lines()
+        .filter_map(|line| {
+            let (keys, rest) = line.trim().strip_prefix('{')?.split_once('}')?;
+            let hits = rest.trim().strip_prefix("hitcount:")?.trim().parse().ok()?;
+            let keys = keys
+                .split(',')
+                .filter_map(|kv| {
+                    let (k, v) = kv.split_once(':')?;
+                    Some((k.trim(), v.split_whitespace().next()?.parse().ok()?))
+                })
+                .collect();
+            Some((keys, hits))
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -130,6 +330,40 @@ mod tests {
         assert_eq!(KvmExits::read(root.path(), 8), Err(KvmExitsError::NoVm(8)));
         let gone = root.path().join("nothing");
         assert!(matches!(KvmExits::read(&gone, 7), Err(KvmExitsError::NoDebugfs { .. })));
+    }
+
+    #[test]
+    fn test_exit_reasons_are_named_from_the_histograms() {
+        let exits = "# event histogram\n#\n# trigger info: hist:keys=exit_reason:vals=hitcount\n#\n\n\
+            { exit_reason:        120 } hitcount:         30\n\
+            { exit_reason:        124 } hitcount:       2100\n\
+            { exit_reason:       1024 } hitcount:         12\n\
+            { exit_reason:       4095 } hitcount:          1\n\nTotals:\n    Hits: 2143\n";
+        let msrs = "{ ecx:       1760, write:          1 } hitcount:       1500\n\
+            { ecx:       2059, write:          1 } hitcount:        400\n\
+            { ecx:      12345, write:          0 } hitcount:          2\n";
+        let r = ExitReasons::parse(exits, msrs, Vendor::Svm);
+        assert_eq!(r.reasons(), vec![("msr", 2100), ("hlt", 30), ("nested page fault", 12), ("0xfff", 1)]);
+        assert_eq!(
+            r.msrs(),
+            vec![("write 0x6e0 TSC deadline", 1500), ("write 0x80b x2APIC EOI", 400), ("read 0x3039", 2)]
+        );
+        assert_eq!(
+            ExitReasons::parse("{ exit_reason: 32 } hitcount: 5", "", Vendor::Vmx).reasons(),
+            vec![("msr write", 5)]
+        );
+    }
+
+    #[test]
+    fn test_exit_reasons_start_installs_then_clears() {
+        let root = tempfile::tempdir().unwrap();
+        for (event, _) in [EXIT_HIST, MSR_HIST] {
+            std::fs::create_dir_all(root.path().join(event)).unwrap();
+        }
+        ExitReasons::start(root.path()).unwrap();
+        let trigger = std::fs::read_to_string(root.path().join(EXIT_HIST.0).join("trigger")).unwrap();
+        assert_eq!(trigger, "hist:keys=exit_reason");
+        assert!(ExitReasons::start(Path::new("/nonexistent/tracefs")).is_err());
     }
 
     #[test]

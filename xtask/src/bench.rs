@@ -19,7 +19,7 @@ use anyhow::{bail, Result};
 use std::collections::BTreeMap;
 
 use gdrvm_harness::{Artifacts, ClusterSpec, GdrvmStats, QemuMachine, Runner, VmResult, VmSpec, Vmm};
-use gdrvm_model::kvm_exits::KvmExits;
+use gdrvm_model::kvm_exits::{ExitReasons, KvmExits};
 
 /// The VMMs compared, in the order each round runs them.
 const CONTENDERS: [(&str, Vmm); 3] = [
@@ -138,7 +138,29 @@ fn boot_figures(name: &'static str, mine: &[&VmResult]) -> BootFigures {
             "xtask: bench: {name:<16} exits to first KTAP line: n/a (no run counted; KVM's counters need debugfs and root)"
         ),
     }
+    print_exit_reasons(name, mine);
     BootFigures { name, time, exits }
+}
+
+/// How many exit reasons and MSRs the boot bench lists per VMM.
+const TOP_REASONS: usize = 8;
+
+/// Prints a VMM's exits by reason and its MSR accesses by register (medians over its
+/// runs), where L1's tracepoint histograms counted them.
+fn print_exit_reasons(name: &str, mine: &[&VmResult]) {
+    let reasons: Vec<&ExitReasons> = mine.iter().filter_map(|r| r.exit_reasons.as_ref()).collect();
+    if reasons.is_empty() {
+        return;
+    }
+    let top = |kinds: Vec<(&str, f64)>| {
+        kinds.iter().take(TOP_REASONS).map(|(k, n)| format!("{k} {n:.0}")).collect::<Vec<_>>().join(", ")
+    };
+    println!(
+        "xtask: bench: {name:<16} exits by reason (median over {} runs): {}",
+        reasons.len(),
+        top(median_by_kind(reasons.iter().flat_map(|r| r.reasons())))
+    );
+    println!("xtask: bench: {name:<16} MSR accesses: {}", top(median_by_kind(reasons.iter().flat_map(|r| r.msrs()))));
 }
 
 /// Each kind's median count over the runs that reported it, the largest first.

@@ -1245,6 +1245,7 @@ mod tests {
             elapsed: Duration::from_secs(3),
             time_to_ktap: None,
             kvm_exits: None,
+            exit_reasons: None,
             stats: None,
             l1_incidents: Vec::new(),
             silent_resets: 0,
