@@ -820,7 +820,8 @@ fn single_rust_vmm_versions() -> Result<()> {
 fn test(cargo_args: &[String]) -> Result<i32> {
     single_rust_vmm_versions()?;
     // git, make and gcc build the regression tests' out-of-tree driver; xmllint checks
-    // their JUnit against the schema.
+    // their JUnit against the schema; headless Chromium renders the parity report (its
+    // test says SKIP under a plain `cargo test` without it, never here).
     host::require_commands(&[
         ("iasl", "acpica-tools"),
         ("qemu-system-x86_64", "qemu-system-x86"),
@@ -828,6 +829,7 @@ fn test(cargo_args: &[String]) -> Result<i32> {
         ("make", "make"),
         ("gcc", "gcc"),
         ("xmllint", "libxml2-utils"),
+        ("chromium", "chromium"),
     ])?;
     build::artifacts()?;
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
