@@ -43,7 +43,7 @@ mod tests {
     use super::*;
 
     fn node(id: u32, cpus: u32) -> NumaNode {
-        NumaNode { id, cpus, memory: 1 << 30, distances: vec![] }
+        NumaNode { id, cpus, memory: 1 << 30, distances: vec![], host_numa: None }
     }
 
     #[test]

@@ -8,6 +8,7 @@ pub mod cluster;
 pub mod config;
 mod console;
 pub mod cpu_topology;
+pub mod host_numa;
 pub mod initrd;
 pub mod irq;
 pub mod machine;

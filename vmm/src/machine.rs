@@ -4,6 +4,7 @@
 
 use std::io::Write;
 use std::os::fd::AsRawFd;
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
@@ -27,6 +28,7 @@ use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 use crate::config::{ConfigError, VmConfig};
 use crate::console::{EscapeFilter, InputAction, RawTerminal};
 use crate::cpu_topology::CpuPlace;
+use crate::host_numa::{self, HostNumaError, HostPlacement};
 use crate::irq::{GsiRouter, IrqError};
 use crate::pci::{ConfigIo, Ecam, PciSegment, CONFIG_IO_LEN, CONFIG_IO_PORT};
 use crate::signals::StopSignals;
@@ -67,6 +69,15 @@ pub enum VmmError {
     /// A vCPU failed.
     #[error(transparent)]
     Vcpu(#[from] VcpuError),
+    /// A guest NUMA node could not be bound to its host node.
+    #[error("{node}: {source}")]
+    HostNuma {
+        /// The node file (or preset) that asked for it.
+        node: String,
+        /// Why.
+        #[source]
+        source: HostNumaError,
+    },
     /// Devices overlap.
     #[error("device layout: {0}")]
     Bus(#[from] gdrvm_devices::BusError),
@@ -167,6 +178,10 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
     let irq = interrupt_routing(&vm)?;
     phases.mark("VM creation");
     let ram = memory::create(config.memory)?;
+    // Bound before anything writes guest memory: placement happens at first touch.
+    let numa_err = |source| VmmError::HostNuma { node: config.node.source.clone(), source };
+    let placement = HostPlacement::read(Path::new(host_numa::SYSFS_NODES), &config.node.numa).map_err(numa_err)?;
+    placement.bind_memory(&ram.memory, &config.node.numa).map_err(numa_err)?;
     register_memory(&vm, &ram.memory)?;
     phases.mark("guest memory");
 
@@ -201,7 +216,8 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
 
     let vcpus = create_vcpus(&supported_cpuid, &vm, &cpus, entry)?;
     phases.mark("vCPUs");
-    let mut threads = VcpuThreads::start(vcpus, &ctx)?;
+    let pins = cpus.iter().map(|place| placement.cpus(place.socket).map(<[usize]>::to_vec)).collect();
+    let mut threads = VcpuThreads::start(vcpus, pins, &ctx)?;
 
     let _raw = if console.interactive { RawTerminal::enter(libc::STDIN_FILENO) } else { None };
     let supervisor = Supervisor {
@@ -415,7 +431,8 @@ struct VcpuThreads {
 
 impl VcpuThreads {
     /// Starts one thread per vCPU, each running its exit loop with `ctx`.
-    fn start(vcpus: Vec<VcpuFd>, ctx: &ExitContext) -> Result<VcpuThreads, VmmError> {
+    /// Starts one thread per vCPU; a vCPU with host CPUs in `pins` runs only on them.
+    fn start(vcpus: Vec<VcpuFd>, pins: Vec<Option<Vec<usize>>>, ctx: &ExitContext) -> Result<VcpuThreads, VmmError> {
         register_signal_handler(SIGRTMIN(), kick_handler)
             .map_err(std::io::Error::from)
             .map_err(host("install the vCPU kick handler"))?;
@@ -425,12 +442,18 @@ impl VcpuThreads {
             done: Arc::new(EventFd::new(libc::EFD_NONBLOCK).map_err(host("create an eventfd"))?),
             first_run: Arc::new(OnceLock::new()),
         };
-        for (id, fd) in (0u32..).zip(vcpus) {
+        for ((id, fd), pin) in (0u32..).zip(vcpus).zip(pins) {
             let ctx = ctx.clone();
             let (done, first_run) = (threads.done.clone(), threads.first_run.clone());
             let handle = std::thread::Builder::new()
                 .name(format!("vcpu{id}"))
                 .spawn(move || {
+                    if let Some(cpus) = pin {
+                        if let Err(source) = host_numa::pin_current_thread(&cpus) {
+                            let _ = done.write(1);
+                            return Err(VcpuError::Pin { id, cpus, source });
+                        }
+                    }
                     if id == 0 {
                         let _ = first_run.set(Instant::now());
                     }

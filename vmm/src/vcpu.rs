@@ -49,6 +49,17 @@ pub enum VcpuError {
         #[source]
         source: vm_memory::GuestMemoryError,
     },
+    /// The vCPU thread could not be pinned to its host node's CPUs.
+    #[error("vCPU {id}: cannot pin its thread to host CPUs {cpus:?}")]
+    Pin {
+        /// vCPU index.
+        id: u32,
+        /// The CPUs asked for.
+        cpus: Vec<usize>,
+        /// The system's words.
+        #[source]
+        source: std::io::Error,
+    },
     /// KVM_RUN failed.
     #[error("vCPU {id}: KVM_RUN failed")]
     Run {

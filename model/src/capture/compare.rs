@@ -155,7 +155,8 @@ impl Comparison<'_> {
 /// (CPUs, memory, distances), host bridges (NUMA node, peer-to-peer) in order, and below
 /// each the same tree, sibling for sibling in address order: kind, vendor and device IDs,
 /// class, subsystem, link capability, ACS and its control, ATS and memory BARs (index,
-/// size, prefetchable, 64-bit). Names, bus numbers and BAR addresses may differ, and so may
+/// size, prefetchable, 64-bit). Names, bus numbers, BAR addresses and the host NUMA nodes
+/// the guest's are bound to (`host_numa`) may differ, and so may
 /// what does not show in a guest's sysfs: backings (a passed-through device's own link and
 /// ATS count), `virtual_function` (a VF is a plain function to a guest), MACs, emulator
 /// arguments and BAR trapping. On a difference, each one found, naming the functions of

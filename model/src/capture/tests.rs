@@ -66,7 +66,9 @@ fn test_vela_capture_names_in_address_order_and_keeps_acs_and_numa() {
     );
     assert!(c.toml.starts_with("# Captured from "), "{}", c.toml);
     assert!(c.toml.contains("# host 0000:03:00.0\nname = \"gpu0\""), "{}", c.toml);
-    assert!(c.toml.contains("# host node 1 (host_numa = 1"), "{}", c.toml);
+    assert!(c.toml.contains("# host node 1\ncpus = "), "{}", c.toml);
+    assert!(c.toml.contains("host_numa = 1\n"), "{}", c.toml);
+    assert_eq!(c.node.numa[1].host_numa, Some(1));
 }
 
 #[test]

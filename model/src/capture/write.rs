@@ -50,13 +50,13 @@ pub(super) fn node_file(plan: &Plan, name: &str, description: &str) -> String {
     let _ = writeln!(out, "name = {}", quoted(name));
     let _ = writeln!(out, "description = {}", quoted(description));
     for n in &plan.numa {
-        let _ =
-            writeln!(out, "\n[[numa]]\n# host node {} (host_numa = {} once node files take it)", n.host_id, n.host_id);
+        let _ = writeln!(out, "\n[[numa]]\n# host node {}", n.host_id);
         let _ = writeln!(out, "cpus = {}\nmemory = \"{}\"", n.cpus, size(n.memory));
         if let Some(d) = &n.distances {
             let row: Vec<String> = d.iter().map(u8::to_string).collect();
             let _ = writeln!(out, "distances = [{}]", row.join(", "));
         }
+        let _ = writeln!(out, "host_numa = {}", n.host_id);
     }
     for hb in &plan.host_bridges {
         let _ = writeln!(out, "\n[[host_bridge]]\n# host pci{:04x}:{:02x}", hb.complex.0, hb.complex.1);

@@ -250,7 +250,7 @@ fn numa_nodes(file: &NodeFile) -> Result<Vec<NumaNode>, KeyError> {
                 "the distance to itself is 10 and to others more than 10 (ACPI SLIT)",
             ));
         }
-        out.push(NumaNode { id: i as u32, cpus: e.cpus, memory, distances });
+        out.push(NumaNode { id: i as u32, cpus: e.cpus, memory, distances, host_numa: e.host_numa });
     }
     Ok(out)
 }

@@ -278,6 +278,9 @@ pub struct NumaNode {
     pub memory: u64,
     /// Distance to each NUMA node (SLIT row).
     pub distances: Vec<u8>,
+    /// The host NUMA node its RAM is placed on and its vCPU threads run on (`host_numa`),
+    /// as libvirt's numatune and vCPU pinning do; unbound when absent.
+    pub host_numa: Option<u32>,
 }
 
 /// A PCIe host bridge (root complex) and the buses below it.

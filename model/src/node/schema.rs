@@ -34,6 +34,8 @@ pub struct NumaEntry {
     pub memory: String,
     /// SLIT row: distance to every NUMA node, this one included (10 to itself).
     pub distances: Option<Vec<u8>>,
+    /// The host NUMA node this node's RAM and vCPU threads are bound to.
+    pub host_numa: Option<u32>,
 }
 
 /// `[[host_bridge]]`: a PCIe root complex (PNP0A08) on one NUMA node.

@@ -21,6 +21,10 @@ fn round_trip(name: &str, preset: &str, cpus: u32, memory: u64, test: &str) {
         .unwrap_or_else(|e| panic!("the guest's capture does not load: {e}\n{toml}"));
     let booted = Node::preset(preset).expect("preset").expect("valid preset").scaled(Some(cpus), Some(memory));
     let booted = booted.expect("scaled preset");
+    // Capture binds each node to the host node it came from: in a guest, the guest's own.
+    for n in &captured.numa {
+        assert_eq!(n.host_numa, Some(n.id), "{name}: NUMA node {} captured without host_numa\n{toml}", n.id);
+    }
     if let Err(differences) = equivalent(&booted, &captured) {
         panic!("{name}: the capture differs from {preset} as booted:\n{}\n{toml}", differences.join("\n"));
     }
