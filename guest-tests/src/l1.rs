@@ -9,7 +9,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use gdrvm_model::kvm_exits::{ExitReasons, KvmExits, Vendor, DEBUGFS_KVM, TRACEFS};
+use gdrvm_model::kvm_exits::{ExitReasons, KvmExits, Shutdown, Vendor, DEBUGFS_KVM, TRACEFS};
 use gdrvm_model::l1::{job_output_prefix, L1Job, L1Jobs, IN_L1_ENV, JOBS_PATH, LEFT_BEHIND, MARKER};
 
 /// Whether shared memory (memfds) may be backed by transparent huge pages.
@@ -54,6 +54,13 @@ pub fn run() -> u8 {
             None
         }
     };
+    // A triple fault leaves no registers (on AMD KVM resets the vCPU first): KVM's record
+    // of the shutdown exit says where the guest was and what it was delivering.
+    if let Some(vendor) = Vendor::loaded() {
+        if let Err(e) = Shutdown::start(Path::new(TRACEFS), vendor) {
+            println!("# gdrvm-l1: no record of guest shutdowns (a filter on kvm_exit): {e}");
+        }
+    }
     // Huge pages for memfd-backed guest RAM (gdrvm's), as anonymous RAM (QEMU's) gets
     // them by default: each nested page fault is a costly exit.
     if let Err(e) = std::fs::write(SHMEM_THP, "advise") {
@@ -178,8 +185,25 @@ fn relay(
                 }
             }
             println!("{prefix}{line}");
+            if line.contains(gdrvm_model::TRIPLE_FAULT_LINE) {
+                report_shutdowns(&prefix);
+            }
         }
     })
+}
+
+/// Prints KVM's record of the guests' shutdowns since the last look, on the job's output.
+fn report_shutdowns(prefix: &str) {
+    // The VMM logs the exit after KVM recorded it; the trace file is read as it stands
+    // (empty when the line came again, as a cluster's summary repeats a node's last lines).
+    match Shutdown::take(Path::new(TRACEFS)) {
+        Ok(all) => {
+            for s in all {
+                println!("{prefix}L1: KVM: {}", s.describe());
+            }
+        }
+        Err(e) => println!("{prefix}L1: cannot read KVM's record of the shutdown: {e}"),
+    }
 }
 
 fn run_relayed(i: usize, job: &L1Job, reasons: Option<Vendor>) -> std::io::Result<Option<i32>> {

@@ -23,7 +23,7 @@ pub mod exit {
 /// The kernel's message when it panics.
 const PANIC_MARKER: &str = "Kernel panic - not syncing";
 /// What gdrvm logs when the guest triple-faults (vmm/src/vcpu.rs).
-const TRIPLE_FAULT: &str = "triple fault: the guest resets";
+const TRIPLE_FAULT: &str = gdrvm_model::TRIPLE_FAULT_LINE;
 /// Console lines kept for a panic or hang report.
 pub const TAIL_LINES: usize = 40;
 

@@ -300,6 +300,117 @@ fn hist_entries(text: &str) -> Vec<(BTreeMap<&str, u64>, u64)> {
         .collect()
 }
 
+/// The `kvm_exit` event, recorded into the trace buffer only for shutdowns.
+const EXIT_EVENT: &str = "events/kvm/kvm_exit";
+
+/// A guest's shutdown (triple fault) as KVM's `kvm_exit` tracepoint recorded it: where the
+/// vCPU was and which event it was delivering when its CPU gave up. On AMD, KVM has reset
+/// the vCPU by the time it tells the VMM, so this line is all that is left of the state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Shutdown {
+    /// The vCPU thread (`comm-pid`).
+    pub thread: String,
+    /// The guest's instruction pointer.
+    pub rip: u64,
+    /// The event being delivered (SVM EXITINTINFO, VMX IDT-vectoring information).
+    pub intr_info: u64,
+    /// Its error code.
+    pub error_code: u64,
+}
+
+impl Shutdown {
+    /// Records, from now on, every shutdown exit of the host's VMs in the trace buffer (a
+    /// filter on `kvm_exit`: other exits are not recorded, and the histograms on the same
+    /// tracepoint still count them all).
+    pub fn start(tracefs: &Path, vendor: Vendor) -> std::io::Result<()> {
+        let code = match vendor {
+            Vendor::Svm => 0x7f,
+            Vendor::Vmx => 2,
+        };
+        let event = tracefs.join(EXIT_EVENT);
+        std::fs::write(event.join("filter"), format!("exit_reason == {code}"))?;
+        std::fs::write(event.join("enable"), "1")?;
+        // Empty the buffer: what it holds is older than this.
+        std::fs::write(tracefs.join("trace"), "")
+    }
+
+    /// The shutdowns recorded since [`Shutdown::start`] or the last call, oldest first;
+    /// the buffer is emptied.
+    pub fn take(tracefs: &Path) -> std::io::Result<Vec<Shutdown>> {
+        let text = std::fs::read_to_string(tracefs.join("trace"))?;
+        std::fs::write(tracefs.join("trace"), "")?;
+        Ok(text.lines().filter_map(Shutdown::parse).collect())
+    }
+
+    /// One `kvm_exit` line of the trace buffer (`vcpu0-107 [000] ..... 29.49: kvm_exit: vcpu
+    /// 0 reason shutdown rip 0x.. info1 .. info2 .. intr_info 0x80000b0e error_code 0x10`).
+    pub fn parse(line: &str) -> Option<Shutdown> {
+        let (head, exit) = line.split_once(": kvm_exit: ")?;
+        let thread = head.split_whitespace().next()?.to_owned();
+        let words: Vec<&str> = exit.split_whitespace().collect();
+        let field = |name: &str| {
+            let at = words.iter().position(|w| *w == name)?;
+            u64::from_str_radix(words.get(at + 1)?.trim_start_matches("0x"), 16).ok()
+        };
+        Some(Shutdown { thread, rip: field("rip")?, intr_info: field("intr_info")?, error_code: field("error_code")? })
+    }
+
+    /// What the guest's CPU was doing, in words: `vCPU thread vcpu0-107 shut down at rip
+    /// 0xffffffff816aa497 delivering #PF (error 0x10: instruction fetch, not present)`.
+    pub fn describe(&self) -> String {
+        format!("vCPU thread {} shut down at rip {:#x} {}", self.thread, self.rip, self.event())
+    }
+
+    /// The event being delivered (the same encoding on SVM and VMX for these fields).
+    fn event(&self) -> String {
+        const VALID: u64 = 1 << 31;
+        const HAS_ERROR: u64 = 1 << 11;
+        if self.intr_info & VALID == 0 {
+            return "delivering no event".into();
+        }
+        let vector = self.intr_info & 0xff;
+        let error = (self.intr_info & HAS_ERROR != 0).then_some(self.error_code);
+        match (self.intr_info >> 8) & 0x7 {
+            0 => format!("delivering interrupt vector {vector:#x}"),
+            2 => "delivering an NMI".into(),
+            3 => {
+                let name = EXCEPTIONS.get(vector as usize).copied().unwrap_or("an exception");
+                match error {
+                    Some(e) if vector == 14 => format!("delivering {name} (error {e:#x}: {})", page_fault_words(e)),
+                    Some(e) => format!("delivering {name} (error {e:#x})"),
+                    None => format!("delivering {name}"),
+                }
+            }
+            kind => format!("delivering event type {kind}, vector {vector:#x}"),
+        }
+    }
+}
+
+/// x86 exception mnemonics by vector.
+const EXCEPTIONS: [&str; 22] = [
+    "#DE", "#DB", "NMI", "#BP", "#OF", "#BR", "#UD", "#NM", "#DF", "#CSO", "#TS", "#NP", "#SS", "#GP", "#PF", "#15",
+    "#MF", "#AC", "#MC", "#XM", "#VE", "#CP",
+];
+
+/// A page fault's error code in words.
+fn page_fault_words(e: u64) -> String {
+    let access = if e & 0x10 != 0 {
+        "instruction fetch"
+    } else if e & 0x2 != 0 {
+        "write"
+    } else {
+        "read"
+    };
+    let mut words = vec![access, if e & 0x1 != 0 { "protection violation" } else { "not present" }];
+    if e & 0x4 != 0 {
+        words.push("user mode");
+    }
+    if e & 0x8 != 0 {
+        words.push("reserved bit set");
+    }
+    words.join(", ")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -364,6 +475,55 @@ mod tests {
         let trigger = std::fs::read_to_string(root.path().join(EXIT_HIST.0).join("trigger")).unwrap();
         assert_eq!(trigger, "hist:keys=exit_reason");
         assert!(ExitReasons::start(Path::new("/nonexistent/tracefs")).is_err());
+    }
+
+    #[test]
+    fn test_shutdown_lines_say_what_the_cpu_was_delivering() {
+        let pf = "           vcpu0-107     [000] .....    21.371493: kvm_exit: vcpu 0 reason shutdown rip \
+                  0xffffffff816aa497 info1 0x0000000000000000 info2 0x0000000000000000 intr_info 0x80000b0e \
+                  error_code 0x00000010";
+        let s = Shutdown::parse(pf).unwrap();
+        assert_eq!(
+            s,
+            Shutdown { thread: "vcpu0-107".into(), rip: 0xffffffff816aa497, intr_info: 0x80000b0e, error_code: 0x10 }
+        );
+        assert_eq!(
+            s.describe(),
+            "vCPU thread vcpu0-107 shut down at rip 0xffffffff816aa497 delivering #PF (error 0x10: instruction fetch, not present)"
+        );
+        let irq = "vcpu0-107 [000] ..... 29.497210: kvm_exit: vcpu 0 reason shutdown rip 0x7f08794effb0 info1 0x0 \
+                   info2 0x0 intr_info 0x80000024 error_code 0x00000000";
+        assert_eq!(
+            Shutdown::parse(irq).unwrap().describe(),
+            "vCPU thread vcpu0-107 shut down at rip 0x7f08794effb0 delivering interrupt vector 0x24"
+        );
+        let gp = Shutdown { intr_info: 0x80000b0d, error_code: 0, ..s.clone() };
+        assert!(gp.describe().ends_with("delivering #GP (error 0x0)"));
+        assert!(Shutdown { intr_info: 0, ..s }.describe().ends_with("delivering no event"));
+        assert_eq!(Shutdown::parse("# tracer: nop"), None);
+        assert_eq!(Shutdown::parse("x [000] 1.0: kvm_exit: vcpu 0 reason shutdown rip zz"), None);
+    }
+
+    #[test]
+    fn test_shutdown_recording_filters_the_exit_event_and_take_empties_the_buffer() {
+        let root = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(root.path().join(EXIT_EVENT)).unwrap();
+        Shutdown::start(root.path(), Vendor::Svm).unwrap();
+        let filter = std::fs::read_to_string(root.path().join(EXIT_EVENT).join("filter")).unwrap();
+        assert_eq!(filter, "exit_reason == 127");
+        assert_eq!(std::fs::read_to_string(root.path().join(EXIT_EVENT).join("enable")).unwrap(), "1");
+        std::fs::write(
+            root.path().join("trace"),
+            "# tracer: nop\n vcpu0-9 [001] ..... 5.0: kvm_exit: vcpu 0 reason TRIPLE_FAULT rip 0x1000 info1 0x0 info2 0x0 \
+             intr_info 0x0 error_code 0x0\n",
+        )
+        .unwrap();
+        let taken = Shutdown::take(root.path()).unwrap();
+        assert_eq!(taken.len(), 1);
+        assert_eq!(taken[0].rip, 0x1000);
+        assert!(Shutdown::take(root.path()).unwrap().is_empty());
+        Shutdown::start(root.path(), Vendor::Vmx).unwrap();
+        assert_eq!(std::fs::read_to_string(root.path().join(EXIT_EVENT).join("filter")).unwrap(), "exit_reason == 2");
     }
 
     #[test]

@@ -14,6 +14,11 @@ pub mod cluster;
 /// triple fault, or the guest's own reboot): the harness reads it to tell a guest that
 /// vanished in early boot.
 pub const GUEST_RESET_LINE: &str = "gdrvm: the guest reset without reporting a status";
+
+/// What `gdrvm run` logs when a vCPU's guest triple-faults (KVM's shutdown exit): the
+/// harness counts it as a silent reset, and L1's agent answers it with KVM's own record of
+/// the shutdown ([`kvm_exits::Shutdown`]).
+pub const TRIPLE_FAULT_LINE: &str = "triple fault: the guest resets";
 pub mod emulated;
 pub mod host_pci;
 pub mod kvm_exits;

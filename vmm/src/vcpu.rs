@@ -388,7 +388,7 @@ pub fn run(mut vcpu: VcpuFd, id: u32, ctx: &ExitContext) -> Result<(), VcpuError
                 // Triple fault: a PC resets. Said at warn: nothing else tells why a guest
                 // vanished without a word. (No registers: on AMD, KVM has already reset the
                 // vCPU by the time it reports the shutdown.)
-                tracing::warn!(id, "triple fault: the guest resets");
+                tracing::warn!(id, "{}", gdrvm_model::TRIPLE_FAULT_LINE);
                 ctx.signal.request(GuestExit::Reset);
                 return Ok(());
             }
