@@ -273,8 +273,9 @@ impl Device {
         Ok((gbps(len, copies, h2d), gbps(len, copies, d2h)))
     }
 
-    /// Exports a small allocation as a dma-buf and closes the fd.
-    pub fn dmabuf_export(&self, driver: &Driver) -> Result<(), String> {
+    /// Exports a small allocation as a dma-buf, hands its fd and length to `with` while the
+    /// allocation lives, then closes the fd.
+    pub fn dmabuf_export<R>(&self, driver: &Driver, with: impl FnOnce(c_int, usize) -> R) -> Result<R, String> {
         if !driver.has_dmabuf {
             return Err(format!("libcuda lacks {DMABUF_SYMBOL} (driver older than CUDA 11.7)"));
         }
@@ -287,11 +288,13 @@ impl Device {
         let r =
             unsafe { sys::cuMemGetHandleForAddressRange((&mut fd as *mut c_int).cast(), dbuf.ptr, dbuf.len, kind, 0) };
         check("cuMemGetHandleForAddressRange", r).map_err(|e| e.to_string())?;
-        if fd >= 0 {
-            // SAFETY: the fd was just created for us and is closed once.
-            unsafe { libc::close(fd) };
+        if fd < 0 {
+            return Err(format!("cuMemGetHandleForAddressRange returned fd {fd}"));
         }
-        Ok(())
+        let out = with(fd, dbuf.len);
+        // SAFETY: the fd was created for us above and is closed once, after its user.
+        unsafe { libc::close(fd) };
+        Ok(out)
     }
 
     /// Peer copy bandwidth from this device to `to`, GB/s, with peer access enabled.

@@ -3,10 +3,12 @@
 //! stdout ([`report::GpuReport`]): `{"available": false, "reason": ..}` when libcuda cannot
 //! be loaded, `cuInit` fails or there is no device; otherwise every device's name, PCI bus
 //! ID, memory and pinned host copy bandwidth, the peer-access matrix with peer copy
-//! bandwidth, and GPUDirect RDMA readiness (`nvidia_peermem`, dma-buf export).
+//! bandwidth, and GPUDirect RDMA readiness (`nvidia_peermem`, dma-buf export, and that
+//! dma-buf registered with an RDMA device through `gdrvm-verbs reg-dmabuf`).
 //! Exit status 0 whenever the document was printed.
 
 mod cuda;
+mod rdma;
 mod report;
 
 use std::process::ExitCode;
@@ -14,16 +16,13 @@ use std::process::ExitCode;
 use clap::Parser;
 
 use crate::cuda::{Device, Driver};
+use crate::rdma::Registrar;
 use crate::report::{DeviceReport, GdrReport, GpuReport, Outcome, PeerReport};
 
 /// Bytes per timed copy.
 const COPY_BYTES: usize = 64 << 20;
 /// Timed copies per measurement (after one untimed).
 const COPIES: u32 = 4;
-
-/// Why `dmabuf_mr` is null.
-const DMABUF_MR_TODO: &str = "not tried: registering a dma-buf with ibv_reg_dmabuf_mr needs libibverbs in this \
-                              binary (TODO; gdrvm-verbs has it)";
 
 #[derive(Parser)]
 #[command(
@@ -35,7 +34,8 @@ struct Cli {
     /// Skip the bandwidth measurements (host and peer copies).
     #[arg(long)]
     quick: bool,
-    /// RDMA device to register GPU memory with (ibv_reg_dmabuf_mr): accepted, not done yet.
+    /// RDMA device to register exported GPU memory with (ibv_reg_dmabuf_mr); default the
+    /// first in /sys/class/infiniband.
     #[arg(long, value_name = "NAME")]
     rdma_dev: Option<String>,
 }
@@ -43,17 +43,16 @@ struct Cli {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let modules = std::fs::read_to_string("/proc/modules").unwrap_or_default();
+    let registrar = Registrar::on_this_machine(cli.rdma_dev.as_deref());
     let mut gdr = GdrReport {
         nvidia_peermem: peermem_loaded(&modules),
+        rdma_device: registrar.as_ref().ok().map(|r| r.device.clone()),
         dmabuf_mr: None,
-        dmabuf_mr_reason: Some(match &cli.rdma_dev {
-            Some(dev) => format!("{DMABUF_MR_TODO}; --rdma-dev {dev} ignored"),
-            None => DMABUF_MR_TODO.to_owned(),
-        }),
+        dmabuf_mr_reason: registrar.as_ref().err().cloned(),
     };
     let report = match Driver::load() {
         Err(reason) => unavailable(reason, std::mem::take(&mut gdr)),
-        Ok(driver) => probe(&driver, !cli.quick, gdr),
+        Ok(driver) => probe(&driver, !cli.quick, registrar.ok().as_ref(), gdr),
     };
     match serde_json::to_string(&report) {
         Ok(json) => {
@@ -77,7 +76,7 @@ fn peermem_loaded(modules: &str) -> bool {
 }
 
 /// Everything about every device.
-fn probe(driver: &Driver, bandwidth: bool, gdr: GdrReport) -> GpuReport {
+fn probe(driver: &Driver, bandwidth: bool, registrar: Option<&Registrar>, mut gdr: GdrReport) -> GpuReport {
     let count = match driver.count() {
         Ok(0) => return unavailable("CUDA sees no device".into(), gdr),
         Ok(n) => n,
@@ -86,13 +85,22 @@ fn probe(driver: &Driver, bandwidth: bool, gdr: GdrReport) -> GpuReport {
     let mut devices = Vec::new();
     let mut reports = Vec::new();
     for ordinal in 0..count {
-        match driver.device(ordinal).and_then(|d| describe(driver, &d, bandwidth).map(|r| (d, r))) {
+        match driver.device(ordinal).and_then(|d| describe(driver, &d, bandwidth, registrar).map(|r| (d, r))) {
             Ok((d, r)) => {
                 devices.push(d);
                 reports.push(r);
             }
             Err(e) => return unavailable(format!("device {ordinal}: {e}"), gdr),
         }
+    }
+    if registrar.is_some() {
+        let tried: Vec<&Outcome> = reports.iter().filter_map(|r| r.dmabuf_mr.as_ref()).collect();
+        gdr.dmabuf_mr = (!tried.is_empty()).then(|| tried.iter().all(|o| o.ok));
+        gdr.dmabuf_mr_reason = match tried.iter().find(|o| !o.ok) {
+            Some(o) => o.error.clone(),
+            None if tried.is_empty() => Some("not tried: no GPU memory exported as a dma-buf".into()),
+            None => None,
+        };
     }
     let mut peers = Vec::new();
     for a in &devices {
@@ -111,16 +119,24 @@ fn probe(driver: &Driver, bandwidth: bool, gdr: GdrReport) -> GpuReport {
     }
 }
 
-fn describe(driver: &Driver, d: &Device, bandwidth: bool) -> Result<DeviceReport, cuda::CudaError> {
+fn describe(
+    driver: &Driver,
+    d: &Device,
+    bandwidth: bool,
+    registrar: Option<&Registrar>,
+) -> Result<DeviceReport, cuda::CudaError> {
+    // The exported dma-buf, registered with the RDMA device while it is alive.
+    let (dmabuf_export, dmabuf_mr) = match d.dmabuf_export(driver, |fd, len| registrar.map(|r| r.register(fd, len))) {
+        Ok(mr) => (Outcome { ok: true, error: None }, mr),
+        Err(e) => (Outcome { ok: false, error: Some(e) }, None),
+    };
     let mut r = DeviceReport {
         ordinal: d.ordinal,
         name: d.name()?,
         bus_id: d.bus_id()?,
         total_memory: d.total_memory()?,
-        dmabuf_export: match d.dmabuf_export(driver) {
-            Ok(()) => Outcome { ok: true, error: None },
-            Err(e) => Outcome { ok: false, error: Some(e) },
-        },
+        dmabuf_export,
+        dmabuf_mr,
         ..DeviceReport::default()
     };
     if bandwidth {

@@ -54,6 +54,9 @@ pub struct DeviceReport {
     /// (`cuMemGetHandleForAddressRange`, `CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD`).
     #[serde(default)]
     pub dmabuf_export: Outcome,
+    /// Registering that dma-buf with [`GdrReport::rdma_device`]; none when not tried.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dmabuf_mr: Option<Outcome>,
 }
 
 /// What one ordered pair of devices can do.
@@ -91,11 +94,13 @@ pub struct Outcome {
 pub struct GdrReport {
     /// `nvidia_peermem` is listed in /proc/modules.
     pub nvidia_peermem: bool,
-    /// Registering exported GPU memory with an RDMA device (`ibv_reg_dmabuf_mr`): not done
-    /// by gdrvm-gpu yet, always null (see `dmabuf_mr_reason`).
+    /// The RDMA device exported GPU memory was registered with (`ibv_reg_dmabuf_mr`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rdma_device: Option<String>,
+    /// Whether every GPU's exported memory registered with it; null when not tried.
     #[serde(default)]
     pub dmabuf_mr: Option<bool>,
-    /// Why `dmabuf_mr` is null.
+    /// Why `dmabuf_mr` is null, or the first registration's failure.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dmabuf_mr_reason: Option<String>,
 }

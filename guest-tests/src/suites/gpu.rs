@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use gdrvm_model::nccl::{self, PathType};
 
-use self::report::{DeviceReport, GpuReport, PeerReport};
+use self::report::{DeviceReport, GpuReport, Outcome, PeerReport};
 use crate::context::Context;
 use crate::ktap::{Check, Verdict};
 use crate::suites::rdma::process;
@@ -94,40 +94,87 @@ fn available(r: &GpuReport) -> Check {
     c
 }
 
-/// The GPUs CUDA can drive in this guest: those the VMM passed through (an emulated GPU has
-/// no NVIDIA driver behind it). Empty without expectations (bare metal).
+/// Where the suite runs, from the expectations it was given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Place {
+    /// A gdrvm guest: CUDA can drive the GPUs the VMM passed through (an emulated GPU has
+    /// no NVIDIA driver behind it).
+    Guest,
+    /// Bare metal checked against a node file (`gdrvm-agent run --node`, a capture of the
+    /// host): every GPU of the node file is the host's own.
+    HostWithNode,
+    /// Bare metal with no node file: sysfs is all there is.
+    Host,
+}
+
+fn place(ctx: &Context) -> Place {
+    match ctx.expect.as_ref().filter(|e| !e.pci.is_empty()) {
+        None => Place::Host,
+        Some(e) if e.host => Place::HostWithNode,
+        Some(_) => Place::Guest,
+    }
+}
+
+/// The GPUs CUDA should drive here (name, bus ID), as [`Place`] says; empty without
+/// expectations.
 fn expected_gpus(ctx: &Context) -> Vec<(String, String)> {
+    let here = place(ctx);
     let Some(e) = ctx.expect.as_ref() else {
         return vec![];
     };
     e.pci
         .iter()
-        .filter(|f| f.kind == "gpu" && f.backing.starts_with("vfio:"))
+        .filter(|f| f.kind == "gpu" && (here == Place::HostWithNode || f.backing.starts_with("vfio:")))
         .map(|f| (f.name.clone(), report::normalize_bus_id(&f.bdf)))
         .collect()
 }
 
-/// Whether the VMM's expectations say anything about PCI (a gdrvm guest).
-fn in_guest(ctx: &Context) -> bool {
-    ctx.expect.as_ref().is_some_and(|e| !e.pci.is_empty())
+/// What the expected GPUs are, in words.
+fn expected_what(here: Place) -> &'static str {
+    match here {
+        Place::Guest => "the VMM passed through",
+        Place::HostWithNode | Place::Host => "the node file has",
+    }
+}
+
+/// The display-class functions in sysfs (bus IDs), where no expectations say more.
+fn sysfs_gpus(ctx: &Context) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(ctx.path(SYSFS_PCI)) else { return vec![] };
+    let mut found: Vec<String> = entries
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|bdf| read_class(ctx, bdf).is_some_and(|c| c >> 16 == 0x03))
+        .collect();
+    found.sort();
+    found
 }
 
 fn count(ctx: &Context, r: &GpuReport) -> Check {
     let seen = r.devices.len();
-    if !in_guest(ctx) {
-        return Check::new(
-            "gpu_count",
-            Verdict::Skip(format!("no expectations (bare metal): CUDA sees {seen} GPU(s)")),
-        );
+    let here = place(ctx);
+    if here == Place::Host {
+        // Bare metal without a node file: CUDA against the display controllers in sysfs
+        // (other vendors' GPUs among them, so fewer CUDA devices is only a note).
+        let display = sysfs_gpus(ctx);
+        let verdict = if seen <= display.len() {
+            Verdict::Pass
+        } else {
+            Verdict::Fail(format!("CUDA sees {seen} GPU(s), sysfs has {} display controller(s)", display.len()))
+        };
+        return Check::new("gpu_count", verdict).note(format!(
+            "{seen} CUDA device(s); {} display controller(s) in sysfs: {}",
+            display.len(),
+            display.join(", ")
+        ));
     }
     let want = expected_gpus(ctx);
+    let what = expected_what(here);
     let verdict = if want.len() == seen {
         Verdict::Pass
     } else {
-        Verdict::Fail(format!("CUDA sees {seen} GPU(s), the VMM passed through {}", want.len()))
+        Verdict::Fail(format!("CUDA sees {seen} GPU(s), {what} {}", want.len()))
     };
-    Check::new("gpu_count", verdict)
-        .note(format!("{seen} CUDA device(s); {} passed-through GPU(s) expected (emulated ones excluded)", want.len()))
+    let excluded = if here == Place::Guest { " (emulated ones excluded)" } else { "" };
+    Check::new("gpu_count", verdict).note(format!("{seen} CUDA device(s); {} GPU(s) {what}{excluded}", want.len()))
 }
 
 fn read_class(ctx: &Context, bdf: &str) -> Option<u32> {
@@ -135,9 +182,10 @@ fn read_class(ctx: &Context, bdf: &str) -> Option<u32> {
     u32::from_str_radix(text.trim().trim_start_matches("0x"), 16).ok()
 }
 
-/// Every CUDA device is a display-class function in sysfs and, in a gdrvm guest, one of the
-/// GPUs the VMM passed through; every such GPU has a CUDA device.
+/// Every CUDA device is a display-class function in sysfs and, with expectations, one of the
+/// GPUs expected here ([`expected_gpus`]); every such GPU has a CUDA device.
 fn bus_ids(ctx: &Context, r: &GpuReport) -> Check {
+    let here = place(ctx);
     let want = expected_gpus(ctx);
     let mut problems = Vec::new();
     let mut notes = Vec::new();
@@ -152,11 +200,12 @@ fn bus_ids(ctx: &Context, r: &GpuReport) -> Check {
             }
             Some(c) => notes.push(format!("{}: sysfs class {c:06x}", label(d))),
         }
-        if in_guest(ctx) && !want.iter().any(|(_, b)| *b == bdf) {
+        if here != Place::Host && !want.iter().any(|(_, b)| *b == bdf) {
             let names: Vec<String> = want.iter().map(|(n, b)| format!("{n} {b}")).collect();
             problems.push(format!(
-                "{} is not a GPU the VMM passed through (expected: {})",
+                "{} is not a GPU {} (expected: {})",
                 label(d),
+                expected_what(here),
                 if names.is_empty() { "none".into() } else { names.join(", ") }
             ));
         }
@@ -291,10 +340,13 @@ fn peer_copy(r: &GpuReport) -> Check {
     Check { diagnostics: notes, ..Check::new("peer_copy", verdict) }
 }
 
+/// GPUDirect RDMA readiness: `nvidia_peermem` loaded, or every GPU's memory exported as a
+/// dma-buf and, where an RDMA device exists, registered with it (`ibv_reg_dmabuf_mr`).
 fn gdr_ready(r: &GpuReport) -> Check {
     let peermem = r.gdr.nvidia_peermem;
     let mut notes = vec![format!("nvidia_peermem {}", if peermem { "loaded" } else { "not loaded" })];
     let mut failed = Vec::new();
+    let device = r.gdr.rdma_device.as_deref().unwrap_or("the RDMA device");
     for d in &r.devices {
         match (&d.dmabuf_export.ok, &d.dmabuf_export.error) {
             (true, _) => notes.push(format!("{}: dma-buf export ok", label(d))),
@@ -304,18 +356,24 @@ fn gdr_ready(r: &GpuReport) -> Check {
                 failed.push(format!("gpu{}: {e}", d.ordinal));
             }
         }
-    }
-    notes.push(format!(
-        "ibv_reg_dmabuf_mr: {}",
-        match r.gdr.dmabuf_mr {
-            Some(ok) => yn(ok).to_owned(),
-            None => r.gdr.dmabuf_mr_reason.clone().unwrap_or_else(|| "not tried".into()),
+        match &d.dmabuf_mr {
+            Some(Outcome { ok: true, .. }) => notes.push(format!("{}: ibv_reg_dmabuf_mr with {device} ok", label(d))),
+            Some(Outcome { error, .. }) => {
+                let e = error.clone().unwrap_or_else(|| "failed (no reason given)".into());
+                notes.push(format!("{}: ibv_reg_dmabuf_mr with {device}: {e}", label(d)));
+                failed.push(format!("gpu{} with {device}: {e}", d.ordinal));
+            }
+            None => {}
         }
-    ));
+    }
+    if r.gdr.dmabuf_mr.is_none() {
+        let why = r.gdr.dmabuf_mr_reason.clone().unwrap_or_else(|| "not tried".into());
+        notes.push(format!("ibv_reg_dmabuf_mr: {why}"));
+    }
     let verdict = if peermem || failed.is_empty() {
         Verdict::Pass
     } else {
-        Verdict::Fail(format!("nvidia_peermem is not loaded and dma-buf export failed ({})", failed.join("; ")))
+        Verdict::Fail(format!("nvidia_peermem is not loaded and the dma-buf path failed ({})", failed.join("; ")))
     };
     Check { diagnostics: notes, ..Check::new("gdr_ready", verdict) }
 }
@@ -324,7 +382,7 @@ fn gdr_ready(r: &GpuReport) -> Check {
 mod tests {
     use std::path::Path;
 
-    use super::report::Outcome;
+    use super::report::GdrReport;
     use super::*;
     use crate::context::{expected_function, test_context};
 
@@ -469,11 +527,51 @@ mod tests {
             ]
         );
         assert_eq!(count(&ctx, &r).verdict, Verdict::Fail("CUDA sees 4 GPU(s), the VMM passed through 2".into()));
-        // Bare metal: sysfs only, the count is noted.
+        // Bare metal: sysfs only; CUDA may see fewer GPUs than there are display
+        // controllers (another vendor's), never more.
         let bare = Context { expect: None, ..test_context(root.path(), vec![]) };
         let ok = report(&["0000:03:00.0", "0000:04:00.0"], |_, _| true);
         assert_eq!(bus_ids(&bare, &ok).verdict, Verdict::Pass);
-        assert_eq!(count(&bare, &ok).verdict, Verdict::Skip("no expectations (bare metal): CUDA sees 2 GPU(s)".into()));
+        let c = count(&bare, &ok);
+        assert_eq!(c.verdict, Verdict::Pass);
+        assert_eq!(
+            c.diagnostics,
+            ["2 CUDA device(s); 4 display controller(s) in sysfs: 0000:03:00.0, 0000:04:00.0, 0000:0a:00.0, 0000:11:00.0"]
+        );
+        let five =
+            report(&["0000:03:00.0", "0000:04:00.0", "0000:0a:00.0", "0000:11:00.0", "0000:12:00.0"], |_, _| true);
+        assert_eq!(
+            count(&bare, &five).verdict,
+            Verdict::Fail("CUDA sees 5 GPU(s), sysfs has 4 display controller(s)".into())
+        );
+    }
+
+    #[test]
+    fn test_bare_metal_against_its_capture_expects_every_gpu_of_the_node_file() {
+        let root = tempfile::tempdir().unwrap();
+        vela(root.path());
+        // A capture made without --vfio: the GPUs keep backing "none", and they are the
+        // host's own.
+        let host_gpu = |name, bdf| gdrvm_model::PciExpectation { backing: "none".into(), ..gpu(name, bdf) };
+        let mut ctx =
+            test_context(root.path(), vec![host_gpu("gpu0", "0000:03:00.0"), host_gpu("gpu1", "0000:04:00.0")]);
+        if let Some(e) = ctx.expect.as_mut() {
+            e.host = true;
+        }
+        let both = report(&["0000:03:00.0", "0000:04:00.0"], |_, _| true);
+        assert_eq!(count(&ctx, &both).verdict, Verdict::Pass);
+        assert_eq!(bus_ids(&ctx, &both).verdict, Verdict::Pass);
+        let one = report(&["0000:03:00.0"], |_, _| true);
+        assert_eq!(count(&ctx, &one).verdict, Verdict::Fail("CUDA sees 1 GPU(s), the node file has 2".into()));
+        assert_eq!(
+            bus_ids(&ctx, &one).verdict,
+            Verdict::Fail("expected GPU gpu1 at 0000:04:00.0 has no CUDA device".into())
+        );
+        // The same node in a guest: only passed-through GPUs count, so none here.
+        if let Some(e) = ctx.expect.as_mut() {
+            e.host = false;
+        }
+        assert_eq!(count(&ctx, &both).verdict, Verdict::Fail("CUDA sees 2 GPU(s), the VMM passed through 0".into()));
     }
 
     #[test]
@@ -566,10 +664,37 @@ mod tests {
         assert_eq!(
             gdr_ready(&r).verdict,
             Verdict::Fail(
-                "nvidia_peermem is not loaded and dma-buf export failed (gpu1: CUDA_ERROR_NOT_SUPPORTED: operation not supported)"
+                "nvidia_peermem is not loaded and the dma-buf path failed (gpu1: CUDA_ERROR_NOT_SUPPORTED: operation not supported)"
                     .into()
             )
         );
+        r.gdr.nvidia_peermem = true;
+        assert_eq!(gdr_ready(&r).verdict, Verdict::Pass);
+    }
+
+    #[test]
+    fn test_gpu_memory_the_rdma_device_cannot_register_is_not_gdr_ready() {
+        let mut r = report(&["0000:03:00.0", "0000:04:00.0"], |_, _| true);
+        r.gdr.dmabuf_mr_reason = Some("not tried: no RDMA device in /sys/class/infiniband".into());
+        let c = gdr_ready(&r);
+        assert_eq!(c.verdict, Verdict::Pass);
+        assert!(c
+            .diagnostics
+            .contains(&"ibv_reg_dmabuf_mr: not tried: no RDMA device in /sys/class/infiniband".into()));
+
+        r.gdr = GdrReport { rdma_device: Some("mlx5_0".into()), dmabuf_mr: Some(false), ..GdrReport::default() };
+        r.devices[0].dmabuf_mr = Some(Outcome { ok: true, error: None });
+        r.devices[1].dmabuf_mr = Some(Outcome { ok: false, error: Some("ibv_reg_dmabuf_mr: Bad address".into()) });
+        let c = gdr_ready(&r);
+        assert_eq!(
+            c.verdict,
+            Verdict::Fail(
+                "nvidia_peermem is not loaded and the dma-buf path failed (gpu1 with mlx5_0: ibv_reg_dmabuf_mr: Bad address)"
+                    .into()
+            )
+        );
+        assert!(c.diagnostics.contains(&"gpu0 (NVIDIA H200, 0000:03:00.0): ibv_reg_dmabuf_mr with mlx5_0 ok".into()));
+        // nvidia_peermem is the other way to GPUDirect RDMA.
         r.gdr.nvidia_peermem = true;
         assert_eq!(gdr_ready(&r).verdict, Verdict::Pass);
     }

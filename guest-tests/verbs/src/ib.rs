@@ -7,6 +7,7 @@
 use std::ffi::CStr;
 use std::io;
 use std::marker::PhantomData;
+use std::os::fd::RawFd;
 use std::os::raw::c_int;
 use std::ptr;
 use std::time::{Duration, Instant};
@@ -176,6 +177,30 @@ impl Pd<'_> {
         Ok(Mr { mr, buf, _pd: PhantomData })
     }
 
+    /// Registers `length` bytes of the dma-buf `fd` from its start (GPU memory exported
+    /// with `cuMemGetHandleForAddressRange`) for local write and remote read and write,
+    /// then deregisters it: whether the device can take peer memory this way. The caller
+    /// keeps `fd` and what it exports alive across the call.
+    pub fn register_dmabuf(&self, fd: RawFd, length: usize) -> Result<DmabufRegistration, String> {
+        let access = ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE
+            | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE
+            | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ;
+        // SAFETY: the PD is live; libibverbs only passes `fd` to the kernel, which checks it
+        // is a dma-buf of at least `length` bytes; nothing of ours is written.
+        let mr = unsafe { ffi::ibv_reg_dmabuf_mr(self.pd, 0, length, 0, fd, access.0 as c_int) };
+        if mr.is_null() {
+            return Err(format!("ibv_reg_dmabuf_mr(fd {fd}, {length} bytes): {}", io::Error::last_os_error()));
+        }
+        // SAFETY: `mr` is the live region just registered.
+        let (lkey, rkey) = unsafe { ((*mr).lkey, (*mr).rkey) };
+        // SAFETY: registered above, deregistered once; nothing else holds it.
+        let rc = unsafe { ffi::ibv_dereg_mr(mr) };
+        if rc != 0 {
+            return Err(format!("ibv_dereg_mr of the dma-buf region: {}", errno_text(rc)));
+        }
+        Ok(DmabufRegistration { lkey, rkey })
+    }
+
     /// An RC queue pair on `cq` (send and receive), in state RESET.
     pub fn create_rc_qp<'a>(&'a self, cq: &'a Cq<'_>, depth: u32) -> Result<Qp<'a>, String> {
         let mut init = ffi::ibv_qp_init_attr {
@@ -210,6 +235,15 @@ impl Drop for Pd<'_> {
             eprintln!("gdrvm-verbs: ibv_dealloc_pd: {}", errno_text(rc));
         }
     }
+}
+
+/// The keys a dma-buf registration got (it is deregistered at once).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DmabufRegistration {
+    /// Local key.
+    pub lkey: u32,
+    /// Remote key.
+    pub rkey: u32,
 }
 
 /// A completion queue.

@@ -1,10 +1,12 @@
 //! `gdrvm-verbs`: the verbs half of the agent's `rdma` suite, apart from the static agent
 //! because it links libibverbs. `query` describes every RDMA device; `pair` runs an RC
 //! queue-pair test (send/receive, RDMA WRITE and READ verified on both sides) against the
-//! same command on another node; `tcp` measures a TCP stream between the two. Each result is one JSON object per line on stdout:
+//! same command on another node; `tcp` measures a TCP stream between the two;
+//! `reg-dmabuf` registers a dma-buf an exporter (gdrvm-gpu) hands down. Each result is one JSON object per line on stdout:
 //! `{"test": NAME, "ok": bool, "diag": [..], "skip": REASON?, "data": {..}?}`, a failure's
 //! reason as its last `diag` line. Exit status 0 whenever results were reported.
 
+mod dmabuf;
 mod ib;
 mod pair;
 mod pattern;
@@ -37,6 +39,22 @@ enum Command {
     Pair(PairCli),
     /// TCP stream throughput with the same command on a peer node.
     Tcp(TcpCli),
+    /// Register an inherited dma-buf fd (exported GPU memory) with an RDMA device
+    /// (`ibv_reg_dmabuf_mr`): the GPUDirect RDMA path without nvidia_peermem.
+    RegDmabuf(RegDmabufCli),
+}
+
+#[derive(Args)]
+struct RegDmabufCli {
+    /// RDMA device (e.g. mlx5_0).
+    #[arg(long)]
+    device: String,
+    /// The dma-buf's file descriptor, inherited from the caller.
+    #[arg(long)]
+    fd: i32,
+    /// Bytes to register from the dma-buf's start.
+    #[arg(long)]
+    length: usize,
 }
 
 #[derive(Args)]
@@ -115,6 +133,7 @@ fn main() -> ExitCode {
             };
             tcp::run(&role, Duration::from_secs(t.timeout_secs.max(1)), &mut out);
         }
+        Command::RegDmabuf(r) => out.emit(dmabuf::register(&r.device, r.fd, r.length)),
     }
     if out.results.is_empty() {
         ExitCode::FAILURE
