@@ -184,7 +184,7 @@ enum Cmd {
         #[arg(long, value_name = "OUT.html")]
         html: Option<PathBuf>,
     },
-    /// JUnit files of matrix shards.
+    /// Result files: JUnit of matrix shards, KTAP of runs outside gdrvm (bare metal).
     Results {
         #[command(subcommand)]
         what: ResultsCmd,
@@ -240,6 +240,18 @@ enum ResultsCmd {
         /// The files to join.
         #[arg(required = true)]
         inputs: Vec<PathBuf>,
+    },
+    /// Turn a KTAP file (a bare-metal `gdrvm-agent run`'s output) into JUnit, as a boot's
+    /// results are; exit 0 when every test passed, 1 otherwise.
+    Junit {
+        /// The KTAP file.
+        ktap: PathBuf,
+        /// The JUnit file to write.
+        #[arg(short, long)]
+        output: PathBuf,
+        /// The run's name in the JUnit (default: the KTAP file's stem).
+        #[arg(long)]
+        name: Option<String>,
     },
 }
 
@@ -377,6 +389,7 @@ fn main() -> ExitCode {
         Cmd::Test { matrix: Some(path), shard, junit, runner, .. } => test_matrix(&path, shard, junit, runner),
         Cmd::Test { cargo_args, .. } => test(&cargo_args),
         Cmd::Results { what: ResultsCmd::Merge { output, inputs } } => merge_results(&output, &inputs),
+        Cmd::Results { what: ResultsCmd::Junit { ktap, output, name } } => ktap_to_junit(&ktap, &output, name),
         Cmd::Bisect { kernels, candidates, good, bad, suites, test, repeat, verify_ends, append, run, kernel } => {
             let candidates = match (kernels, candidates) {
                 (_, Some(file)) => regress::Candidates::File(file),
@@ -531,6 +544,24 @@ fn merge_results(output: &std::path::Path, inputs: &[PathBuf]) -> Result<i32> {
     std::fs::write(output, merged).with_context(|| format!("writing {}", output.display()))?;
     println!("xtask: results: {} file(s) merged into {}", inputs.len(), output.display());
     Ok(exit::PASS)
+}
+
+/// `cargo xtask results junit`.
+fn ktap_to_junit(ktap: &std::path::Path, output: &std::path::Path, name: Option<String>) -> Result<i32> {
+    let text = std::fs::read_to_string(ktap).with_context(|| format!("reading {}", ktap.display()))?;
+    let report = gdrvm_harness::ktap::parse(&text);
+    let name = name.unwrap_or_else(|| ktap.file_stem().map_or("ktap".into(), |s| s.to_string_lossy().into_owned()));
+    let problem = report.planned.is_none().then_some("no KTAP plan in the file");
+    std::fs::write(output, junit::render(&name, &report, problem))
+        .with_context(|| format!("writing {}", output.display()))?;
+    let ok = problem.is_none() && report.all_ok();
+    println!(
+        "xtask: results: {} -> {}: {}",
+        ktap.display(),
+        output.display(),
+        if ok { "all ok" } else { "something failed" }
+    );
+    Ok(if ok { exit::PASS } else { exit::FAIL })
 }
 
 /// `cargo xtask bisect`.
