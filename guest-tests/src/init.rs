@@ -80,8 +80,33 @@ pub fn run() -> ! {
 /// Runs `suites`, prints KTAP, returns the exit status (0 all passed, 1 otherwise).
 pub fn report(names: &[String], ctx: &Context) -> u8 {
     let reports: Vec<_> = names.iter().map(|n| suites::run(n, ctx)).collect();
-    print!("{}", ktap::render(&reports));
+    print_paced(&ktap::render(&reports));
     u8::from(!reports.iter().all(|r| r.passed()))
+}
+
+/// Bytes written to the console between waits for it to drain.
+const CONSOLE_PACE: usize = 2048;
+
+/// Prints `text`, waiting (tcdrain) every [`CONSOLE_PACE`] bytes until a terminal on
+/// stdout has sent what it was given. A guest's serial port sends from its interrupt, one
+/// VM exit a byte: fed tens of KiB at once (a sysfs recording), the CPU taking that
+/// interrupt did nothing else for half a minute and the kernel reported an RCU stall into
+/// the output. Where stdout is no terminal (bare metal, a pipe) nothing waits.
+fn print_paced(text: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let mut since = 0;
+    for line in text.split_inclusive('\n') {
+        let _ = out.write_all(line.as_bytes());
+        since += line.len();
+        if since >= CONSOLE_PACE {
+            let _ = out.flush();
+            // SAFETY: tcdrain on fd 1 only waits; it fails harmlessly (ENOTTY) on a pipe.
+            unsafe { libc::tcdrain(1) };
+            since = 0;
+        }
+    }
+    let _ = out.flush();
 }
 
 /// The parameters the kernel command line gives module `name` (`name.param=value` words,
