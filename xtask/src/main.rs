@@ -171,6 +171,16 @@ enum Cmd {
         #[arg(last = true)]
         cargo_args: Vec<String>,
     },
+    /// Boot a guest on a node and record the sysfs files `gdrvm topology capture` reads
+    /// there, as a tree that `capture --sysfs` reads: how capture's unit-test fixtures of
+    /// the presets' guests were made.
+    RecordSysfs {
+        /// The directory to write the tree into (created; must not exist).
+        #[arg(short, long)]
+        output: PathBuf,
+        #[command(flatten)]
+        run: RunOpts,
+    },
     /// Compare NCCL's paths on a host and in its guest: both files are KTAP output of the
     /// agent's `topology` suite. Lists every GPU-NIC and GPU-GPU pair (matched by kind and
     /// BDF order) whose path type or GDR decision differs; exits 0 when none does, 1 when one
@@ -386,6 +396,7 @@ fn main() -> ExitCode {
             boot(&suites, shell, &append, repeat, &run, &kernel)
         }
         Cmd::Kernels { what } => kernels(what),
+        Cmd::RecordSysfs { output, run } => record_sysfs(&output, &run),
         Cmd::Test { matrix: Some(path), shard, junit, runner, .. } => test_matrix(&path, shard, junit, runner),
         Cmd::Test { cargo_args, .. } => test(&cargo_args),
         Cmd::Results { what: ResultsCmd::Merge { output, inputs } } => merge_results(&output, &inputs),
@@ -681,6 +692,51 @@ fn boot(
         let results = runner.run(std::slice::from_ref(&spec)).await?;
         let result = results.first().context("the runner returned no result")?;
         report(result)
+    })
+}
+
+/// `cargo xtask record-sysfs`: the guest's `capture` suite prints its sysfs as recorded
+/// lines, written here as a tree.
+fn record_sysfs(output: &std::path::Path, opts: &RunOpts) -> Result<i32> {
+    use gdrvm_model::capture::record::{self, Recorded};
+    if output.exists() {
+        eprintln!("xtask: usage: {} exists; record-sysfs writes a new directory", output.display());
+        return Ok(exit::USAGE);
+    }
+    let spec = VmSpec {
+        name: "record-sysfs".into(),
+        vmm: Vmm::Gdrvm,
+        image: build::artifacts()?.guest,
+        node: opts.node.clone(),
+        cluster: None,
+        cmdline: regress::suites_cmdline(&["capture".to_owned()], record::CMDLINE_FLAG),
+        cpus: opts.cpus.unwrap_or(2),
+        memory: opts.memory.clone(),
+        timeout: Duration::from_secs(opts.timeout),
+    };
+    let artifacts = build::artifacts()?;
+    run_interruptible(async {
+        let runner = runner(artifacts, opts.runner, false).await?;
+        let results = runner.run(std::slice::from_ref(&spec)).await?;
+        let result = results.first().context("the runner returned no result")?;
+        let lines: Vec<&str> =
+            result.console.iter().filter_map(|l| Some(l.split_once(record::LINE_PREFIX)?.1)).collect();
+        if lines.is_empty() {
+            println!("xtask: record-sysfs: the guest printed no recording: {}", result.problem().unwrap_or_default());
+            for line in result.tail() {
+                println!("  | {line}");
+            }
+            return Ok(exit::CANNOT_TEST);
+        }
+        let entries = lines
+            .iter()
+            .enumerate()
+            .map(|(i, l)| Recorded::parse(l, i + 1))
+            .collect::<Result<Vec<_>, _>>()
+            .context("the guest's recording")?;
+        record::write(output, &entries).with_context(|| format!("writing {}", output.display()))?;
+        println!("xtask: record-sysfs: {} entries in {}", entries.len(), output.display());
+        Ok(exit::PASS)
     })
 }
 

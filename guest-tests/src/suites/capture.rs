@@ -2,10 +2,12 @@
 //! metal). The node file it writes is printed line by line as diagnostics (`capture| `
 //! prefixed), so that whoever booted the guest can compare it with the node it booted on
 //! (the round-trip e2e test), and its notes (what node files cannot say) are listed.
+//! With `gdrvm.record_sysfs` on the kernel command line it also prints the sysfs files it
+//! read as a recording (`cargo xtask record-sysfs` turns that into a fixture).
 
 use std::path::Path;
 
-use gdrvm_model::capture::{capture, CaptureOptions};
+use gdrvm_model::capture::{capture, record, CaptureOptions};
 
 use crate::context::Context;
 use crate::ktap::{Check, Verdict};
@@ -14,7 +16,23 @@ use crate::ktap::{Check, Verdict};
 pub const LINE_PREFIX: &str = "capture| ";
 
 pub fn run(ctx: &Context) -> Vec<Check> {
-    vec![capture_loads(&ctx.root)]
+    let cmdline = std::fs::read_to_string(ctx.path("/proc/cmdline")).unwrap_or_default();
+    let mut checks = vec![capture_loads(&ctx.root)];
+    if cmdline.split_whitespace().any(|w| w == record::CMDLINE_FLAG) {
+        checks.push(recording(&ctx.root));
+    }
+    checks
+}
+
+/// The sysfs files capture reads, one diagnostic line each.
+fn recording(root: &Path) -> Check {
+    match record::record(root) {
+        Ok(entries) => entries
+            .iter()
+            .map(|r| format!("{}{}", record::LINE_PREFIX, r.line()))
+            .fold(Check::new("sysfs_recorded", Verdict::Pass), Check::note),
+        Err(e) => Check::new("sysfs_recorded", Verdict::Fail(format!("cannot record sysfs: {e}"))),
+    }
 }
 
 /// Captures the tree under `root` and checks that the node loader takes the result.

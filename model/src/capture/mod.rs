@@ -15,6 +15,7 @@ mod compare;
 #[cfg(test)]
 mod fake;
 mod plan;
+pub mod record;
 mod sysfs;
 #[cfg(test)]
 mod tests;

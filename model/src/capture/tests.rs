@@ -321,3 +321,32 @@ fn test_capture_of_the_recorded_dev_vm_loads() {
     assert!(c.toml.contains("name = \"dev0\"\nkind = \"generic\"\nparent = \"hb0\"\nslot = 2\n"), "{}", c.toml);
     assert!(c.toml.contains("backing = \"vfio:0000:00:02.0\""), "{}", c.toml);
 }
+
+/// The sysfs of a guest gdrvm booted on `preset` (fixtures/guest-<preset>, written by
+/// `cargo xtask record-sysfs --node <preset>` with the vCPUs and memory given here): Linux's
+/// own view of gdrvm's tree, not the fake's.
+fn recorded_guest(preset: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("src/capture/fixtures/guest-{preset}"))
+}
+
+#[test]
+fn test_captures_of_recorded_guests_are_their_presets() {
+    for (preset, cpus, memory) in [("minimal", 2, 1u64 << 30), ("flat", 2, 1 << 30), ("vela-a100", 4, 1 << 30)] {
+        let root = recorded_guest(preset);
+        let c = capture(&root, &CaptureOptions::default()).unwrap_or_else(|e| panic!("{preset}: {e}"));
+        let booted = Node::preset(preset).unwrap().unwrap().scaled(Some(cpus), Some(memory)).unwrap();
+        if let Err(differences) = equivalent(&booted, &c.node) {
+            panic!("{preset}: the recorded guest's capture differs:\n{}\n{}", differences.join("\n"), c.toml);
+        }
+        // Each guest NUMA node is bound to the node it was captured from.
+        assert!(c.node.numa.iter().all(|n| n.host_numa == Some(n.id)), "{preset}: {}", c.toml);
+    }
+    // What sets the presets apart survives Linux: vela-a100's two NUMA nodes, its five root
+    // complexes and its switches; flat's one root bus and none.
+    let vela = capture(&recorded_guest("vela-a100"), &CaptureOptions::default()).unwrap().node;
+    assert_eq!((vela.numa.len(), vela.host_bridges.len()), (2, 5));
+    let switches = |n: &Node| n.functions.iter().filter(|f| f.kind == FunctionKind::SwitchUpstream).count();
+    assert_eq!(switches(&vela), 4);
+    let flat = capture(&recorded_guest("flat"), &CaptureOptions::default()).unwrap().node;
+    assert_eq!((flat.host_bridges.len(), switches(&flat)), (1, 0));
+}
