@@ -68,7 +68,7 @@ pub struct VmResult {
     pub l1_incidents: Vec<L1Incident>,
     /// Runs of this VM before this one that reset before printing anything (nested runs
     /// run such a guest again, up to twice).
-    pub silent_resets: u32,
+    pub emulator_losses: u32,
 }
 
 /// How an L1 failed to finish its jobs.
@@ -154,7 +154,7 @@ impl VmResult {
             exit_reasons: None,
             stats,
             l1_incidents: Vec::new(),
-            silent_resets: 0,
+            emulator_losses: 0,
         }
     }
 
@@ -199,19 +199,25 @@ impl VmResult {
             .unwrap_or_default()
     }
 
-    /// The guest reset (gdrvm exit 1, no status) without a kernel panic on the console,
-    /// either before the agent printed anything or by a triple fault the VMM saw: the
-    /// guest's CPU state went bad with no oops, the way nested runs under QEMU TCG now and
-    /// then lose a guest (early in boot, and, rarely, under heavy interrupt traffic). The
-    /// nested runner runs such a guest again (up to twice) and keeps each earlier run's end.
+    /// The guest was lost the way nested runs under QEMU TCG lose one now and then, not by
+    /// anything it did: it reset (gdrvm exit 1, no status) with no kernel panic, either
+    /// before the agent printed anything or by a triple fault the VMM saw (its CPU state
+    /// went bad with no oops: early in boot, and under heavy interrupt traffic), or its
+    /// kernel died of page faults recursing in the exception entry code
+    /// ([`Oops::is_entry_fault_recursion`]). The nested runner runs such a guest again and
+    /// keeps each earlier run's end; a guest that really does this does it again.
     ///
     /// In a cluster run (consoles prefixed `[node] `), one node's guest doing so counts too.
-    pub fn silent_reset(&self) -> bool {
+    pub fn lost_to_emulator(&self) -> bool {
         if self.outcome != VmOutcome::Exited(1) {
             return false;
         }
         let triple = |line: &str| line.contains(TRIPLE_FAULT);
+        let entry_recursion = |lines: &[String]| oops::find(lines).is_some_and(|o| o.is_entry_fault_recursion());
         if !self.panicked && (self.time_to_ktap.is_none() || self.console.iter().any(|l| triple(l))) {
+            return true;
+        }
+        if entry_recursion(&self.console) {
             return true;
         }
         #[derive(Default)]
@@ -220,6 +226,7 @@ impl VmResult {
             spoke: bool,
             panicked: bool,
             triple: bool,
+            console: Vec<String>,
         }
         let mut nodes: std::collections::BTreeMap<&str, Node> = Default::default();
         for line in &self.console {
@@ -232,8 +239,9 @@ impl VmResult {
             n.spoke |= rest.trim_start() == "KTAP version 1";
             n.panicked |= rest.contains(PANIC_MARKER);
             n.triple |= triple(rest);
+            n.console.push(rest.to_owned());
         }
-        nodes.values().any(|n| n.reset && !n.panicked && (!n.spoke || n.triple))
+        nodes.values().any(|n| n.reset && ((!n.panicked && (!n.spoke || n.triple)) || entry_recursion(&n.console)))
     }
 
     /// The last [`TAIL_LINES`] console lines.
@@ -257,41 +265,60 @@ mod tests {
         let mut single =
             result(VmOutcome::Exited(1), "KTAP version 1\n WARN gdrvm::vcpu: triple fault: the guest resets id=0");
         single.time_to_ktap = Some(Duration::from_secs(9));
-        assert!(single.silent_reset());
+        assert!(single.lost_to_emulator());
         let mut cluster = result(
             VmOutcome::Exited(1),
             "[a] KTAP version 1\n[a] # tcp_stream\n[a] WARN gdrvm::vcpu: triple fault: the guest resets id=0\n\
              [a] gdrvm: the guest reset without reporting a status\n[b] KTAP version 1\nKTAP version 1",
         );
         cluster.time_to_ktap = Some(Duration::from_secs(9));
-        assert!(cluster.silent_reset());
+        assert!(cluster.lost_to_emulator());
         // A kernel panic first is the guest's own failure.
         let console =
             cluster.console.join("\n").replacen("[a] # tcp_stream", "[a] Kernel panic - not syncing: oops", 1);
         let mut panicked = result(VmOutcome::Exited(1), &console);
         panicked.time_to_ktap = Some(Duration::from_secs(9));
-        assert!(!panicked.silent_reset());
+        assert!(!panicked.lost_to_emulator());
+    }
+
+    #[test]
+    fn test_entry_fault_recursion_is_lost_to_the_emulator_other_panics_are_not() {
+        let died = "KTAP version 1\n\
+                    [   24.2] BUG: stack guard page was hit at 00000000a1b2c3d4 (stack is 1..2)\n\
+                    [   24.2] kernel stack overflow (double-fault): 0000 [#1] PREEMPT SMP NOPTI\n\
+                    [   24.2] RIP: 0010:error_entry+0x1e/0x130\n\
+                    [   24.2] Kernel panic - not syncing: Fatal exception in interrupt\n\
+                    gdrvm: the guest reset without reporting a status";
+        let mut single = result(VmOutcome::Exited(1), died);
+        single.time_to_ktap = Some(Duration::from_secs(9));
+        assert!(single.lost_to_emulator());
+        let node_b = died.lines().map(|l| format!("[b] {l}")).collect::<Vec<_>>().join("\n");
+        let mut cluster = result(VmOutcome::Exited(1), &format!("[a] KTAP version 1\n{node_b}\nKTAP version 1"));
+        cluster.time_to_ktap = Some(Duration::from_secs(9));
+        assert!(cluster.lost_to_emulator());
+        let own = result(VmOutcome::Exited(1), &died.replace("error_entry+0x1e", "do_sys_poll+0x1e"));
+        assert!(!own.lost_to_emulator());
     }
 
     #[test]
     fn test_silent_reset_only_without_output_or_panic() {
-        assert!(result(VmOutcome::Exited(1), "gdrvm: the guest reset without reporting a status").silent_reset());
+        assert!(result(VmOutcome::Exited(1), "gdrvm: the guest reset without reporting a status").lost_to_emulator());
         // A cluster: node b vanished before its agent spoke, node a reported.
         let mut cluster = result(
             VmOutcome::Exited(1),
             "[a] KTAP version 1\n[a] ok 1 rdma\n[b] gdrvm: the guest reset without reporting a status\nKTAP version 1",
         );
         cluster.time_to_ktap = Some(Duration::from_secs(9));
-        assert!(cluster.silent_reset());
+        assert!(cluster.lost_to_emulator());
         // ...but a node that reset after its agent spoke failed for real.
         cluster.console.insert(0, "[b] KTAP version 1".into());
-        assert!(!cluster.silent_reset());
+        assert!(!cluster.lost_to_emulator());
         let panicked = "Kernel panic - not syncing: VFS: Unable to mount root fs\ngdrvm: the guest reset";
-        assert!(!result(VmOutcome::Exited(1), panicked).silent_reset());
-        assert!(!result(VmOutcome::Exited(0), "").silent_reset());
+        assert!(!result(VmOutcome::Exited(1), panicked).lost_to_emulator());
+        assert!(!result(VmOutcome::Exited(0), "").lost_to_emulator());
         let mut spoke = result(VmOutcome::Exited(1), "KTAP version 1");
         spoke.time_to_ktap = Some(Duration::from_secs(9));
-        assert!(!spoke.silent_reset());
+        assert!(!spoke.lost_to_emulator());
     }
 
     #[test]

@@ -180,9 +180,9 @@ fn run_batch() -> Result<Vec<VmResult>, String> {
         runner.echo = std::env::var_os("GDRVM_ECHO").is_some();
         let results = runner.run(&specs(&a)?).await.map_err(|e| e.to_string())?;
         for r in &results {
-            let reruns = match r.silent_resets {
+            let reruns = match r.emulator_losses {
                 0 => String::new(),
-                n => format!(" (after {n} silent reset(s), each run again)"),
+                n => format!(" (after {n} loss(es) to the emulator, each run again)"),
             };
             eprintln!("e2e: {}: {:?} in {:.1?}{reruns}", r.name, r.outcome, r.elapsed);
         }

@@ -107,7 +107,7 @@ enum Cmd {
         #[arg(long, default_value_t = 10)]
         minutes: u64,
     },
-    /// Many boots in a row, counting L1 panics and stalls, guest oopses, silent resets and
+    /// Many boots in a row, counting L1 panics and stalls, guest oopses, guests lost to the emulator and
     /// hangs, each with its signature; or, with --kill, runs stopped at random points and
     /// checked for anything left behind.
     Soak {

@@ -1248,7 +1248,7 @@ mod tests {
             exit_reasons: None,
             stats: None,
             l1_incidents: Vec::new(),
-            silent_resets: 0,
+            emulator_losses: 0,
         };
         let report = CellReport::from(&result);
         assert_eq!(report.exit_code, exit::FAIL);

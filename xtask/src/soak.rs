@@ -83,8 +83,8 @@ pub async fn soak(runner: &Runner, plan: &SoakPlan) -> Result<i32> {
                 "xtask: soak: {}: {end:?} in {:.1} s{}{}",
                 r.name,
                 r.elapsed.as_secs_f64(),
-                if r.silent_resets > 0 {
-                    format!(", {} silent reset(s) first", r.silent_resets)
+                if r.emulator_losses > 0 {
+                    format!(", {} loss(es) to the emulator first", r.emulator_losses)
                 } else {
                     String::new()
                 },
@@ -114,7 +114,7 @@ struct Report {
     boots: usize,
     ends: BTreeMap<BootEnd, usize>,
     l1: BTreeMap<String, usize>,
-    silent_resets: u32,
+    emulator_losses: u32,
     signatures: Vec<String>,
     /// Each L1 incident's console (the oops, its registers and trace, the tail), for the file.
     consoles: Vec<String>,
@@ -126,13 +126,13 @@ impl Report {
             boots: results.len(),
             ends: BTreeMap::new(),
             l1: BTreeMap::new(),
-            silent_resets: 0,
+            emulator_losses: 0,
             signatures: Vec::new(),
             consoles: Vec::new(),
         };
         for res in results {
             *r.ends.entry(classify(res)).or_default() += 1;
-            r.silent_resets += res.silent_resets;
+            r.emulator_losses += res.emulator_losses;
             for i in &res.l1_incidents {
                 *r.l1.entry(format!("{:?}", i.failure)).or_default() += 1;
                 r.signatures.push(format!("{}: {}", res.name, i.summary()));
@@ -165,7 +165,7 @@ impl Report {
                 runner.l1
             ),
             format!("L1 deaths: {} ({:.1} per 100 boots): {:?}", self.l1_deaths(), per100(self.l1_deaths()), self.l1),
-            format!("guest silent resets (each ran again): {}", self.silent_resets),
+            format!("guests lost to the emulator (each ran again): {}", self.emulator_losses),
         ];
         for (end, n) in &self.ends {
             out.push(format!("boots {end:?}: {n} ({:.1} per 100)", per100(*n)));
