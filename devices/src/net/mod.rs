@@ -1,27 +1,42 @@
 //! Ethernet links between VMM processes: a [`FramePort`] is one end of an L2 link that
 //! a virtio-net device sends its guest's frames into and receives the peers' frames from.
+//!
+//! What travels is a packet: the sending device's 12-byte `virtio_net_hdr_v1` (its
+//! offload state: a checksum left to be completed, `csum_start` and `csum_offset`, a TCP
+//! segmentation request, `gso_type` and `gso_size`), then the Ethernet frame without FCS,
+//! as a tap with `IFF_VNET_HDR` carries them. The receiving device gives its own guest
+//! what that guest accepted and finishes the rest itself (see `virtio::net`), so neither
+//! end computes a checksum its guest can leave to the other, and a TCP stream crosses the
+//! wire in 64 KiB frames rather than MTU-sized ones.
 
-/// One end of an L2 link (Ethernet frames without FCS). Never blocks.
+/// One end of an L2 link. Never blocks.
 pub trait FramePort: Send + Sync {
-    /// Sends one frame; a frame that cannot be delivered now (peer full, gone, unknown)
-    /// is dropped and counted, never an error the device must handle.
-    fn send(&self, frame: &[u8]);
-    /// Receives one waiting frame into `buf`: Ok(Some(len)), Ok(None) when none waits.
+    /// Sends one packet ([`OFFLOAD_LEN`] bytes of offload header, then the frame); one
+    /// that cannot be delivered now (peer full, gone, unknown) is dropped and counted,
+    /// never an error the device must handle.
+    fn send(&self, packet: &[u8]);
+    /// Receives one waiting packet into `buf`: Ok(Some(len)), Ok(None) when none waits.
     fn recv(&self, buf: &mut [u8]) -> std::io::Result<Option<usize>>;
-    /// A file descriptor that polls readable while a frame waits.
+    /// A file descriptor that polls readable while a packet waits.
     fn as_raw_fd(&self) -> std::os::fd::RawFd;
     /// Counters since the port opened.
     fn stats(&self) -> WireStats;
+    /// The longest packet the link carries: [`MAX_PACKET`] unless the transport has a
+    /// lower bound (a UDP datagram stops at 65507 bytes), which keeps a device from
+    /// offering 64 KiB segmentation offload over it.
+    fn max_packet(&self) -> usize {
+        MAX_PACKET
+    }
 }
 
 /// A port's counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct WireStats {
-    /// Frames sent.
+    /// Packets sent.
     pub sent: u64,
-    /// Frames received.
+    /// Packets received.
     pub received: u64,
-    /// Frames dropped (peer full, gone, unknown; too large).
+    /// Packets dropped (peer full, gone, unknown; too large or too short).
     pub dropped: u64,
 }
 
@@ -37,11 +52,22 @@ use std::str::FromStr;
 pub use udp::UdpPort;
 pub use unix::UnixPort;
 
+/// Bytes of the offload header before each frame: a `virtio_net_hdr_v1`.
+pub const OFFLOAD_LEN: usize = 12;
 /// Shortest frame a port carries: an Ethernet header (destination, source, EtherType).
 pub const MIN_FRAME: usize = 14;
-/// Longest frame a port carries; longer ones are dropped (the largest real one is
-/// 9000 + 14 + 4 = 9018 bytes).
-pub const MAX_FRAME: usize = 65535;
+/// Longest frame a port carries: a 64 KiB TCP segmentation frame plus an Ethernet header
+/// with a VLAN tag (the largest MTU-sized one is 9000 + 14 + 4 = 9018 bytes).
+pub const MAX_FRAME: usize = 65550;
+/// Shortest packet: the offload header and an Ethernet header.
+pub const MIN_PACKET: usize = OFFLOAD_LEN + MIN_FRAME;
+/// Longest packet: the offload header and [`MAX_FRAME`].
+pub const MAX_PACKET: usize = OFFLOAD_LEN + MAX_FRAME;
+
+/// The Ethernet frame of `packet` (empty when the packet is shorter than its header).
+pub fn frame_of(packet: &[u8]) -> &[u8] {
+    packet.get(OFFLOAD_LEN..).unwrap_or_default()
+}
 
 /// Where a port joins: `unix:DIR` (a hub directory of unix datagram sockets, one per port,
 /// learning MAC -> socket like a switch), `udp:LOCAL_IP:PORT@REMOTE_IP:PORT` (point to point).

@@ -10,9 +10,11 @@ const B: [u8; 6] = [0x52, 0x54, 0, 0, 1, 0];
 const C: [u8; 6] = [0x52, 0x54, 0, 0, 2, 0];
 const BROADCAST: [u8; 6] = [0xff; 6];
 
-/// An Ethernet frame from `src` to `dst` carrying `payload` (IPv4 EtherType).
+/// A packet: an offload header asking nothing, then an Ethernet frame from `src` to `dst`
+/// carrying `payload` (IPv4 EtherType).
 fn frame(dst: [u8; 6], src: [u8; 6], payload: &[u8]) -> Vec<u8> {
-    let mut f = Vec::with_capacity(14 + payload.len());
+    let mut f = Vec::with_capacity(OFFLOAD_LEN + 14 + payload.len());
+    f.extend_from_slice(&[0; OFFLOAD_LEN]);
     f.extend_from_slice(&dst);
     f.extend_from_slice(&src);
     f.extend_from_slice(&[0x08, 0x00]);
@@ -20,10 +22,10 @@ fn frame(dst: [u8; 6], src: [u8; 6], payload: &[u8]) -> Vec<u8> {
     f
 }
 
-/// Every frame waiting at `port`.
+/// Every packet waiting at `port`.
 fn drain(port: &dyn FramePort) -> Vec<Vec<u8>> {
     let mut out = Vec::new();
-    let mut buf = vec![0u8; 65536];
+    let mut buf = vec![0u8; MAX_PACKET];
     while let Some(n) = port.recv(&mut buf).unwrap() {
         out.push(buf[..n].to_vec());
     }
@@ -190,18 +192,18 @@ fn test_net_unix_flood_with_nobody_else_is_dropped() {
 fn test_net_unix_bad_frame_sizes_are_dropped() {
     let tmp = tempfile::tempdir().unwrap();
     let (a, b) = (hub(tmp.path(), A), hub(tmp.path(), B));
-    a.send(&[0u8; 13]);
-    a.send(&vec![0u8; 65536]);
+    a.send(&[0u8; MIN_PACKET - 1]);
+    a.send(&vec![0u8; MAX_PACKET + 1]);
     assert_eq!(a.stats(), stats(0, 0, 2));
     // Sent straight to B's socket: too short, too long for the buffer, then a good one.
     let raw = UnixDatagram::unbound().unwrap();
     let b_path = tmp.path().join("525400000100");
-    raw.send_to(&[0u8; 10], &b_path).unwrap();
+    raw.send_to(&[0u8; 22], &b_path).unwrap();
     raw.send_to(&frame(B, C, &[0u8; 200]), &b_path).unwrap();
     raw.send_to(&frame(B, C, b"ok"), &b_path).unwrap();
     let mut small = [0u8; 100];
-    assert_eq!(b.recv(&mut small).unwrap(), Some(16));
-    assert_eq!(&small[..16], &frame(B, C, b"ok")[..]);
+    assert_eq!(b.recv(&mut small).unwrap(), Some(OFFLOAD_LEN + 16));
+    assert_eq!(&small[..OFFLOAD_LEN + 16], &frame(B, C, b"ok")[..]);
     assert_eq!(b.stats(), stats(0, 1, 2));
     assert_eq!(b.recv(&mut small).unwrap(), None);
 }

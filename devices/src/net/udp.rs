@@ -1,17 +1,21 @@
 //! `udp:LOCAL@REMOTE`: a point-to-point link over one UDP socket, for ports on different
-//! hosts. Every frame goes to the one remote address; datagrams from anyone else are dropped.
+//! hosts. Every packet goes to the one remote address; datagrams from anyone else are
+//! dropped. A datagram holds at most 65507 bytes, so a device on this wire offers no
+//! segmentation offload ([`FramePort::max_packet`]).
 
 use std::io;
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6, UdpSocket};
 use std::os::fd::{AsRawFd, RawFd};
 
 use super::sys::{self, Counters};
-use super::{FramePort, WireError, WireStats, MAX_FRAME, MIN_FRAME};
+use super::{FramePort, WireError, WireStats, MAX_PACKET, MIN_PACKET};
 
 /// Most unusable datagrams one `recv` skips before it says that none waits.
 const RECV_SKIP: usize = 256;
 /// Socket buffers asked for (the kernel caps them at `net.core.[rw]mem_max`).
 const BUFFER: libc::c_int = 4 << 20;
+/// The largest UDP payload over IPv4 (65535 less the IP and UDP headers).
+const MAX_DATAGRAM: usize = 65507;
 
 /// One end of a `udp:LOCAL@REMOTE` link.
 #[derive(Debug)]
@@ -73,12 +77,12 @@ fn is_remote(from: SocketAddr, remote: SocketAddr) -> bool {
 }
 
 impl FramePort for UdpPort {
-    fn send(&self, frame: &[u8]) {
-        if !(MIN_FRAME..=MAX_FRAME).contains(&frame.len()) {
+    fn send(&self, packet: &[u8]) {
+        if !(MIN_PACKET..=MAX_DATAGRAM).contains(&packet.len()) {
             self.counters.dropped();
             return;
         }
-        match self.socket.send_to(frame, self.remote) {
+        match self.socket.send_to(packet, self.remote) {
             Ok(_) => self.counters.sent(),
             Err(e) => {
                 if !sys::is_peer_busy(&e) && !sys::is_peer_gone(&e) {
@@ -99,7 +103,7 @@ impl FramePort for UdpPort {
                 Err(e) => return Err(e),
             };
             let from_remote = sender(&d).is_some_and(|from| is_remote(from, self.remote));
-            if !from_remote || d.len < MIN_FRAME || d.len > MAX_FRAME || d.len > buf.len() {
+            if !from_remote || d.len < MIN_PACKET || d.len > MAX_PACKET || d.len > buf.len() {
                 self.counters.dropped();
                 continue;
             }
@@ -115,5 +119,9 @@ impl FramePort for UdpPort {
 
     fn stats(&self) -> WireStats {
         self.counters.stats()
+    }
+
+    fn max_packet(&self) -> usize {
+        MAX_DATAGRAM
     }
 }

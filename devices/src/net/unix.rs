@@ -16,7 +16,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::sys::{self, Counters};
-use super::{FramePort, WireError, WireStats, MAX_FRAME, MIN_FRAME};
+use super::{frame_of, FramePort, WireError, WireStats, MAX_PACKET, MIN_PACKET, OFFLOAD_LEN};
 use crate::sync::lock;
 
 /// Most MACs a port remembers; a guest that sends from ever new source MACs makes the table
@@ -329,19 +329,19 @@ impl UnixPort {
 }
 
 impl FramePort for UnixPort {
-    fn send(&self, frame: &[u8]) {
-        if !(MIN_FRAME..=MAX_FRAME).contains(&frame.len()) {
+    fn send(&self, packet: &[u8]) {
+        if !(MIN_PACKET..=MAX_PACKET).contains(&packet.len()) {
             self.counters.dropped();
             return;
         }
         let mut dst = [0u8; 6];
-        dst.copy_from_slice(&frame[..6]);
+        dst.copy_from_slice(&frame_of(packet)[..6]);
         let known = if dst[0] & 1 == 0 { lock(&self.learned).get(&dst).copied() } else { None };
         let Some(peer) = known else {
-            self.flood(frame);
+            self.flood(packet);
             return;
         };
-        match self.send_waiting(&peer, dst, frame) {
+        match self.send_waiting(&peer, dst, packet) {
             Ok(()) => self.counters.sent(),
             Err(e) if sys::is_peer_busy(&e) => self.counters.dropped(),
             Err(e) => {
@@ -360,13 +360,13 @@ impl FramePort for UnixPort {
     fn recv(&self, buf: &mut [u8]) -> io::Result<Option<usize>> {
         for _ in 0..RECV_SKIP {
             let Some(d) = sys::recv_from(self.socket.as_raw_fd(), buf)? else { return Ok(None) };
-            if d.len < MIN_FRAME || d.len > MAX_FRAME || d.len > buf.len() {
+            if d.len < MIN_PACKET || d.len > MAX_PACKET || d.len > buf.len() {
                 self.counters.dropped();
                 continue;
             }
             if let Some(peer) = Peer::from_datagram(&d) {
                 let mut src = [0u8; 6];
-                src.copy_from_slice(&buf[6..12]);
+                src.copy_from_slice(&buf[OFFLOAD_LEN + 6..OFFLOAD_LEN + 12]);
                 self.learn(src, peer);
             }
             self.counters.received();

@@ -8,13 +8,13 @@
 //! see [`crate::net`]) never keeps the receiver from draining the port: two nodes sending
 //! to each other at once cannot stall each other. A reset (status 0, or
 //! [`PciDevice::reset`]) and dropping the device stop and join both. Transmit strips the
-//! 12-byte `virtio_net_hdr_v1` and sends the frame; receive writes a header (`num_buffers`
-//! 1, the rest zero unless the checksum was verified, see below) and the frame across the
-//! buffer's writable descriptors, so the chains of pages Linux posts for an MTU above 1500
+//! frame with its 12-byte `virtio_net_hdr_v1` (checked and tidied, [`super::offload`]);
+//! receive rewrites the header of what came for what this guest accepted and writes header
+//! and frame across the buffer's writable descriptors, so the chains of pages Linux posts for an MTU above 1500
 //! without `MRG_RXBUF` work. While no receive buffer is posted the port is not polled:
 //! frames wait in the port's socket (the wire drops what no longer fits), never in the VMM.
 //!
-//! Four features cut the guest's work, each used only when the driver accepts it (without
+//! These features cut the guest's work, each used only when the driver accepts it (without
 //! them the device behaves as a plain VERSION_1 device):
 //! - `VIRTIO_NET_F_MRG_RXBUF` (virtio 1.x 5.1.6.4): a received frame may take several
 //!   buffers (descriptor chains). Header and frame are written across successive chains,
@@ -33,14 +33,13 @@
 //!   again so that a chain posted meanwhile is not left waiting), and interrupts only when
 //!   the used index passes the driver's `used_event`. The receive queue asks for kicks only
 //!   once it has run out of buffers.
-//! - `VIRTIO_NET_F_CSUM`: a transmit header with `VIRTIO_NET_HDR_F_NEEDS_CSUM` has its
-//!   checksum completed by the device ([`super::csum::complete`]); a header pointing
-//!   outside the frame is a malformed chain.
-//! - `VIRTIO_NET_F_GUEST_CSUM`: a received TCP or UDP segment over IPv4 or IPv6 whose
-//!   checksum the device verified ([`super::csum::verify`]) gets
-//!   `VIRTIO_NET_HDR_F_DATA_VALID`; anything else gets flags 0 and the guest checks it.
-//!
-//! No segmentation offload (GSO, TSO, UFO) is offered.
+//! - `VIRTIO_NET_F_CSUM` and `VIRTIO_NET_F_GUEST_CSUM`, `HOST_TSO4`/`6` and
+//!   `GUEST_TSO4`/`6`: a checksum left to the device and a TCP frame of up to 64 KiB to
+//!   segment travel as the guest asked; the receiving device completes the checksum or
+//!   segments the frame only when its own guest cannot take it so ([`super::offload`]).
+//!   A header asking for a checksum outside the frame, or for a segmentation the driver
+//!   did not negotiate, is a malformed chain. TSO is offered only on a wire that carries
+//!   64 KiB packets (not UDP between hosts). No UDP segmentation (UFO, USO) or ECN.
 //!
 //! What a guest gets wrong is dropped, counted in [`NetStats`], and logged once per kind:
 //! a chain that loops or points outside the descriptor table, a buffer outside guest
@@ -51,6 +50,7 @@
 //! guest memory) sets DEVICE_NEEDS_RESET with a configuration interrupt, and the queues
 //! are left alone until the driver resets.
 
+use std::collections::VecDeque;
 use std::num::Wrapping;
 use std::ops::Range;
 use std::os::fd::{AsRawFd, RawFd};
@@ -61,8 +61,9 @@ use std::thread::JoinHandle;
 use gdrvm_model::node::NetParams;
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_net::{
-    VIRTIO_NET_F_CSUM, VIRTIO_NET_F_GUEST_CSUM, VIRTIO_NET_F_MAC, VIRTIO_NET_F_MRG_RXBUF, VIRTIO_NET_F_MTU,
-    VIRTIO_NET_F_STATUS, VIRTIO_NET_HDR_F_DATA_VALID, VIRTIO_NET_HDR_F_NEEDS_CSUM, VIRTIO_NET_S_LINK_UP,
+    VIRTIO_NET_F_CSUM, VIRTIO_NET_F_GUEST_CSUM, VIRTIO_NET_F_GUEST_TSO4, VIRTIO_NET_F_GUEST_TSO6,
+    VIRTIO_NET_F_HOST_TSO4, VIRTIO_NET_F_HOST_TSO6, VIRTIO_NET_F_MAC, VIRTIO_NET_F_MRG_RXBUF, VIRTIO_NET_F_MTU,
+    VIRTIO_NET_F_STATUS, VIRTIO_NET_S_LINK_UP,
 };
 use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VRING_AVAIL_F_NO_INTERRUPT};
 use virtio_queue::desc::split::Descriptor;
@@ -71,7 +72,7 @@ use vm_memory::{Address, Bytes, GuestAddress, GuestMemory, GuestMemoryMmap, Perm
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use super::csum;
+use super::offload::{self, Accepted, BadHeader, Incoming};
 use super::transport::{
     add_capabilities, Action, Capabilities, Interrupts, Transport, COMMON_CFG, COMMON_CFG_LEN, DEVICE_CFG, ISR_CFG,
     ISR_CFG_LEN, NOTIFY_CFG, NOTIFY_OFF_MULTIPLIER, PCI_CFG_DATA, VIRTIO_BAR, VIRTIO_BAR_SIZE,
@@ -92,23 +93,18 @@ const QUEUES: u16 = 2;
 /// Bytes of `virtio_net_hdr_v1` (VERSION_1: `num_buffers` is always there).
 pub const NET_HDR_LEN: usize = 12;
 /// The longest frame the device carries either way (64 KiB plus an Ethernet header with
-/// a VLAN tag); a longer transmit chain is malformed.
-pub const MAX_FRAME: usize = 65550;
+/// a VLAN tag, as the wire does); a longer transmit chain is malformed.
+pub const MAX_FRAME: usize = crate::net::MAX_FRAME;
 /// The shortest frame the device sends: an Ethernet header.
 const MIN_FRAME: usize = 14;
 /// Bytes of the device configuration (`virtio_net_config` up to `mtu`).
 const NET_CONFIG_LEN: usize = 12;
-/// Where `flags` is in the header.
-const HDR_FLAGS: usize = 0;
-/// Where `csum_start` is in the header.
-const HDR_CSUM_START: usize = 6;
-/// Where `csum_offset` is in the header.
-const HDR_CSUM_OFFSET: usize = 8;
 /// Where `num_buffers` is in the header.
 const NUM_BUFFERS: usize = 10;
 
 /// Features offered: VERSION_1, MAC, MTU, STATUS, EVENT_IDX, mergeable receive buffers
-/// (MRG_RXBUF) and the two checksum offloads (CSUM, GUEST_CSUM); no segmentation offload.
+/// (MRG_RXBUF) and the two checksum offloads (CSUM, GUEST_CSUM); [`TSO_FEATURES`] too where
+/// the wire carries 64 KiB packets.
 const FEATURES: u64 = 1 << VIRTIO_F_VERSION_1
     | 1 << VIRTIO_NET_F_MAC
     | 1 << VIRTIO_NET_F_MTU
@@ -117,6 +113,11 @@ const FEATURES: u64 = 1 << VIRTIO_F_VERSION_1
     | 1 << VIRTIO_NET_F_MRG_RXBUF
     | 1 << VIRTIO_NET_F_CSUM
     | 1 << VIRTIO_NET_F_GUEST_CSUM;
+/// TCP segmentation both ways, over IPv4 and IPv6.
+const TSO_FEATURES: u64 = 1 << VIRTIO_NET_F_HOST_TSO4
+    | 1 << VIRTIO_NET_F_HOST_TSO6
+    | 1 << VIRTIO_NET_F_GUEST_TSO4
+    | 1 << VIRTIO_NET_F_GUEST_TSO6;
 
 /// Chains a worker moves on its queue before it looks at its other sources again.
 const BUDGET: usize = 256;
@@ -240,8 +241,10 @@ impl VirtioNet {
         let mut config = config_space;
         let msix = find_msix(&config).ok_or(VirtioError::NoMsix)?;
         let caps = add_capabilities(&mut config, NET_CONFIG_LEN as u32, QUEUES).ok_or(VirtioError::NoRoom)?;
-        let transport = Transport::new(key, FEATURES, QUEUES, msix.vectors).map_err(VirtioError::EventFd)?;
         let port: Option<Arc<dyn FramePort>> = port.map(Arc::from);
+        let tso = port.as_ref().is_none_or(|p| p.max_packet() >= crate::net::MAX_PACKET);
+        let features = FEATURES | if tso { TSO_FEATURES } else { 0 };
+        let transport = Transport::new(key, features, QUEUES, msix.vectors).map_err(VirtioError::EventFd)?;
         let mut net_config = [0u8; NET_CONFIG_LEN];
         net_config[..6].copy_from_slice(&net.mac);
         let link = if port.is_some() { VIRTIO_NET_S_LINK_UP as u16 } else { 0 };
@@ -337,8 +340,7 @@ impl VirtioNet {
             Ok(fd) => fd,
             Err(e) => return self.needs_reset(format_args!("cannot create the workers' stop eventfd: {e}")),
         };
-        let mut rx_buf = vec![0u8; NET_HDR_LEN + MAX_FRAME];
-        rx_buf[NUM_BUFFERS..NET_HDR_LEN].copy_from_slice(&1u16.to_le_bytes());
+        let rx_buf = vec![0u8; NET_HDR_LEN + MAX_FRAME];
         let path = |role: Role, queue: Option<Queue>| Datapath {
             key: self.key.clone(),
             role,
@@ -352,8 +354,17 @@ impl VirtioNet {
             rx_pending: None,
             tx_buf: Vec::new(),
             port_armed: false,
-            tx_csum: accepted(VIRTIO_NET_F_CSUM),
-            rx_csum: accepted(VIRTIO_NET_F_GUEST_CSUM),
+            tx: Accepted {
+                csum: accepted(VIRTIO_NET_F_CSUM),
+                tso4: accepted(VIRTIO_NET_F_HOST_TSO4),
+                tso6: accepted(VIRTIO_NET_F_HOST_TSO6),
+            },
+            rx: Accepted {
+                csum: accepted(VIRTIO_NET_F_GUEST_CSUM),
+                tso4: accepted(VIRTIO_NET_F_GUEST_TSO4),
+                tso6: accepted(VIRTIO_NET_F_GUEST_TSO6),
+            },
+            rx_backlog: VecDeque::new(),
             mrg_rxbuf: accepted(VIRTIO_NET_F_MRG_RXBUF),
             rx_chains: Vec::new(),
         };
@@ -556,6 +567,7 @@ impl PciDevice for VirtioNet {
 impl Drop for VirtioNet {
     fn drop(&mut self) {
         self.stop_workers();
+        tracing::debug!(device = %self.key, stats = ?self.stats(), "virtio-net: what it moved");
     }
 }
 
@@ -576,6 +588,9 @@ enum Malformed {
     /// A transmit header asking for a checksum (NEEDS_CSUM, CSUM negotiated) whose start
     /// and offset put it (partly) outside the frame.
     ChecksumOutside,
+    /// A transmit header asking for a segmentation the driver did not negotiate, or that
+    /// is not TCP, lacks NEEDS_CSUM or has `gso_size` 0.
+    Segmentation,
     /// With MRG_RXBUF, a receive chain smaller than the 12-byte header.
     ShortBuffer,
 }
@@ -589,6 +604,7 @@ impl Malformed {
             Malformed::TooLong => "transmitted frame longer than 65550 bytes dropped",
             Malformed::TooShort => "transmitted frame shorter than an Ethernet header dropped",
             Malformed::ChecksumOutside => "transmitted frame asking for a checksum outside itself dropped",
+            Malformed::Segmentation => "transmitted frame asking for a segmentation not negotiated or not TCP dropped",
             Malformed::ShortBuffer => "mergeable receive buffer smaller than the virtio-net header dropped",
         }
     }
@@ -636,10 +652,13 @@ struct Datapath {
     tx_buf: Vec<u8>,
     /// Whether the port's fd is in the epoll set.
     port_armed: bool,
-    /// VIRTIO_NET_F_CSUM accepted: complete the checksums of NEEDS_CSUM headers.
-    tx_csum: bool,
-    /// VIRTIO_NET_F_GUEST_CSUM accepted: verify received checksums, DATA_VALID when right.
-    rx_csum: bool,
+    /// What the driver accepted for transmit headers (CSUM, HOST_TSO4/6).
+    tx: Accepted,
+    /// What it accepted for receive headers (GUEST_CSUM, GUEST_TSO4/6).
+    rx: Accepted,
+    /// Packets (header and frame) waiting for receive buffers ahead of the port: the
+    /// segments of a GSO frame this guest cannot take whole.
+    rx_backlog: VecDeque<Vec<u8>>,
     /// VIRTIO_NET_F_MRG_RXBUF accepted: a received frame may take several chains.
     mrg_rxbuf: bool,
     /// With `mrg_rxbuf`, the chains taken for the pending frame (their descriptors in
@@ -756,18 +775,19 @@ impl Datapath {
         while used < BUDGET {
             let Some(chain) = next_chain(queue, &self.mem, TX_QUEUE)? else { break };
             let head = chain.head_index();
-            let tx_csum = self.tx_csum;
+            let tx = self.tx;
             let tx_buf = &mut self.tx_buf;
             let gathered = gather(chain, &mut self.descs, tx_buf).and_then(|frame| {
-                if tx_csum {
-                    complete_checksum(tx_buf, frame)?;
-                }
+                offload::outgoing(&mut tx_buf[..NET_HDR_LEN], frame, tx).map_err(|e| match e {
+                    BadHeader::ChecksumOutside => Malformed::ChecksumOutside,
+                    BadHeader::Segmentation => Malformed::Segmentation,
+                })?;
                 Ok(frame)
             });
             match gathered {
                 Ok(frame) => match &self.port {
                     Some(port) => {
-                        port.send(&self.tx_buf[NET_HDR_LEN..NET_HDR_LEN + frame]);
+                        port.send(&self.tx_buf[..NET_HDR_LEN + frame]);
                         Counters::add(&self.counters.tx_frames, 1);
                         Counters::add(&self.counters.tx_bytes, frame as u64);
                     }
@@ -832,23 +852,42 @@ impl Datapath {
                     self.arm_port(epoll, false);
                     break;
                 }
-                match port.recv(&mut self.rx_buf[NET_HDR_LEN..]) {
-                    Ok(Some(len)) => {
-                        let len = len.min(MAX_FRAME);
-                        if self.rx_csum {
-                            let frame = &self.rx_buf[NET_HDR_LEN..NET_HDR_LEN + len];
-                            self.rx_buf[HDR_FLAGS] = match csum::verify(frame) {
-                                csum::Verdict::Valid => VIRTIO_NET_HDR_F_DATA_VALID as u8,
-                                csum::Verdict::Invalid | csum::Verdict::Unchecked => 0,
-                            };
+                if let Some(packet) = self.rx_backlog.pop_front() {
+                    self.rx_buf[..packet.len()].copy_from_slice(&packet);
+                    self.rx_pending = Some(packet.len() - NET_HDR_LEN);
+                } else {
+                    match port.recv(&mut self.rx_buf) {
+                        Ok(Some(len)) if len >= NET_HDR_LEN + crate::net::MIN_FRAME => {
+                            match offload::incoming(&mut self.rx_buf[..len], self.rx) {
+                                Incoming::Deliver => self.rx_pending = Some(len - NET_HDR_LEN),
+                                Incoming::Segments(segments) => {
+                                    self.rx_backlog.extend(segments);
+                                    continue;
+                                }
+                                Incoming::Drop(why) => {
+                                    Counters::add(&self.counters.rx_dropped, 1);
+                                    self.counters.odd(&self.key, why, format_args!("{len} bytes"));
+                                    frames += 1;
+                                    continue;
+                                }
+                            }
                         }
-                        self.rx_pending = Some(len);
-                    }
-                    Ok(None) => break,
-                    Err(e) => {
-                        Counters::add(&self.counters.rx_dropped, 1);
-                        self.counters.odd(&self.key, "port receive failed", format_args!("{e}"));
-                        break;
+                        Ok(Some(len)) => {
+                            Counters::add(&self.counters.rx_dropped, 1);
+                            self.counters.odd(
+                                &self.key,
+                                "received packet too short dropped",
+                                format_args!("{len} bytes"),
+                            );
+                            frames += 1;
+                            continue;
+                        }
+                        Ok(None) => break,
+                        Err(e) => {
+                            Counters::add(&self.counters.rx_dropped, 1);
+                            self.counters.odd(&self.key, "port receive failed", format_args!("{e}"));
+                            break;
+                        }
                     }
                 }
             }
@@ -1258,19 +1297,6 @@ fn scatter(
         rest = &rest[n..];
     }
     Ok(bytes.len() as u32)
-}
-
-/// Completes the checksum a transmit header (in `buf`, then `frame` bytes of frame) asks
-/// for with NEEDS_CSUM; a header without it is left alone.
-fn complete_checksum(buf: &mut [u8], frame: usize) -> Result<(), Malformed> {
-    let (header, rest) = buf.split_at_mut(NET_HDR_LEN);
-    if header[HDR_FLAGS] & VIRTIO_NET_HDR_F_NEEDS_CSUM as u8 == 0 {
-        return Ok(());
-    }
-    let start = u16::from_le_bytes([header[HDR_CSUM_START], header[HDR_CSUM_START + 1]]);
-    let offset = u16::from_le_bytes([header[HDR_CSUM_OFFSET], header[HDR_CSUM_OFFSET + 1]]);
-    let frame = rest.get_mut(..frame).ok_or(Malformed::ChecksumOutside)?;
-    csum::complete(frame, usize::from(start), usize::from(offset)).map_err(|_| Malformed::ChecksumOutside)
 }
 
 /// EVENT_IDX: asks the driver to kick for the next chain it posts (the available event

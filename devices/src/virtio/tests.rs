@@ -16,8 +16,8 @@ use virtio_bindings::virtio_config::{
 };
 use virtio_bindings::virtio_net::{
     VIRTIO_NET_F_CSUM, VIRTIO_NET_F_GSO, VIRTIO_NET_F_GUEST_CSUM, VIRTIO_NET_F_GUEST_TSO4, VIRTIO_NET_F_GUEST_TSO6,
-    VIRTIO_NET_F_GUEST_UFO, VIRTIO_NET_F_HOST_TSO4, VIRTIO_NET_F_HOST_TSO6, VIRTIO_NET_F_HOST_UFO, VIRTIO_NET_F_MAC,
-    VIRTIO_NET_F_MRG_RXBUF, VIRTIO_NET_F_MTU, VIRTIO_NET_F_STATUS,
+    VIRTIO_NET_F_GUEST_UFO, VIRTIO_NET_F_HOST_ECN, VIRTIO_NET_F_HOST_TSO4, VIRTIO_NET_F_HOST_TSO6,
+    VIRTIO_NET_F_HOST_UFO, VIRTIO_NET_F_MAC, VIRTIO_NET_F_MRG_RXBUF, VIRTIO_NET_F_MTU, VIRTIO_NET_F_STATUS,
 };
 use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
@@ -67,6 +67,10 @@ const EVENT_IDX: u64 = 1 << VIRTIO_RING_F_EVENT_IDX;
 const CSUM: u64 = 1 << VIRTIO_NET_F_CSUM;
 const GUEST_CSUM: u64 = 1 << VIRTIO_NET_F_GUEST_CSUM;
 const MRG: u64 = 1 << VIRTIO_NET_F_MRG_RXBUF;
+const TSO: u64 = 1 << VIRTIO_NET_F_HOST_TSO4
+    | 1 << VIRTIO_NET_F_HOST_TSO6
+    | 1 << VIRTIO_NET_F_GUEST_TSO4
+    | 1 << VIRTIO_NET_F_GUEST_TSO6;
 /// `flags` of a header: NEEDS_CSUM (transmit), DATA_VALID (receive).
 const NEEDS_CSUM: u8 = 1;
 const DATA_VALID: u8 = 2;
@@ -78,6 +82,8 @@ struct FakePort {
     received: AtomicU64,
     /// While true, `send` waits, as the wire does for a full peer.
     paused: Arc<Pause>,
+    /// What [`FramePort::max_packet`] says.
+    limit: usize,
 }
 
 /// A switch the test flips to hold a port's sends.
@@ -123,6 +129,10 @@ impl FramePort for FakePort {
         self.sock.as_raw_fd()
     }
 
+    fn max_packet(&self) -> usize {
+        self.limit
+    }
+
     fn stats(&self) -> WireStats {
         WireStats {
             sent: self.sent.load(Ordering::Relaxed),
@@ -159,6 +169,15 @@ struct Guest {
 impl Guest {
     /// A device named `key` with a port (or none) and MTU `mtu`, MSI-X connected.
     fn new(key: &str, with_port: bool, mtu: u16) -> Guest {
+        Guest::with_limit(key, with_port, mtu, crate::net::MAX_PACKET)
+    }
+
+    /// A device whose port carries packets of at most `limit` bytes (a UDP wire's 65507).
+    fn with_port_limit(key: &str, limit: usize) -> Guest {
+        Guest::with_limit(key, true, 1500, limit)
+    }
+
+    fn with_limit(key: &str, with_port: bool, mtu: u16, limit: usize) -> Guest {
         let (node, i) = node(mtu);
         let f = &node.functions[i];
         assert_eq!((f.vendor, f.device), (VIRTIO_VENDOR, VIRTIO_NET_DEVICE));
@@ -174,6 +193,7 @@ impl Guest {
                 sent: AtomicU64::new(0),
                 received: AtomicU64::new(0),
                 paused: paused.clone(),
+                limit,
             });
             (Some(port), Some(b))
         } else {
@@ -402,15 +422,31 @@ impl Guest {
         }
     }
 
+    /// Sends `frame` to the device as a peer without offloads would (a plain header).
     fn send_from_wire(&self, frame: &[u8]) {
-        self.peer.as_ref().unwrap().send(frame).unwrap();
+        self.send_packet_from_wire(&offload::plain_header(), frame);
     }
 
+    /// Sends `frame` with offload header `header`, as another device would.
+    fn send_packet_from_wire(&self, header: &[u8], frame: &[u8]) {
+        self.peer.as_ref().unwrap().send(&[header, frame].concat()).unwrap();
+    }
+
+    /// The next frame the device sent, its header asking nothing of the receiver.
     fn recv_on_wire(&self) -> Vec<u8> {
+        let (header, frame) = self.recv_packet_on_wire();
+        assert_eq!(header, offload::plain_header(), "the header of a frame that asks nothing");
+        frame
+    }
+
+    /// The next packet the device sent: its offload header and its frame.
+    fn recv_packet_on_wire(&self) -> ([u8; NET_HDR_LEN], Vec<u8>) {
         let mut buf = vec![0u8; 70000];
-        let n = self.peer.as_ref().unwrap().recv(&mut buf).expect("a frame on the wire");
-        buf.truncate(n);
-        buf
+        let n = self.peer.as_ref().unwrap().recv(&mut buf).expect("a packet on the wire");
+        assert!(n >= NET_HDR_LEN, "{n} bytes: no header");
+        let mut header = [0u8; NET_HDR_LEN];
+        header.copy_from_slice(&buf[..NET_HDR_LEN]);
+        (header, buf[NET_HDR_LEN..n].to_vec())
     }
 
     /// Posts a receive buffer of `len` bytes (filled with 0xee) at each of `addrs`, each its
@@ -488,17 +524,9 @@ fn thread_becomes(name: &str, exists: bool) -> bool {
 #[test]
 fn test_feature_negotiation() {
     let mut g = Guest::new("t1", true, 1500);
-    assert_eq!(g.device_features(), DRIVER_FEATURES | EVENT_IDX | MRG | CSUM | GUEST_CSUM);
-    // No segmentation offload either way.
-    for gso in [
-        VIRTIO_NET_F_GSO,
-        VIRTIO_NET_F_GUEST_TSO4,
-        VIRTIO_NET_F_GUEST_TSO6,
-        VIRTIO_NET_F_GUEST_UFO,
-        VIRTIO_NET_F_HOST_TSO4,
-        VIRTIO_NET_F_HOST_TSO6,
-        VIRTIO_NET_F_HOST_UFO,
-    ] {
+    assert_eq!(g.device_features(), DRIVER_FEATURES | EVENT_IDX | MRG | CSUM | GUEST_CSUM | TSO);
+    // TCP segmentation both ways; no UDP segmentation, legacy GSO or ECN.
+    for gso in [VIRTIO_NET_F_GSO, VIRTIO_NET_F_GUEST_UFO, VIRTIO_NET_F_HOST_UFO, VIRTIO_NET_F_HOST_ECN] {
         assert_eq!(g.device_features() & 1 << gso, 0, "feature {gso} offered");
     }
     assert_eq!(g.read(NUM_QUEUES, 2), 2);
@@ -508,8 +536,8 @@ fn test_feature_negotiation() {
     assert_eq!(status & FEATURES_OK, 0);
     assert_eq!(status, ACK_DRIVER);
 
-    // A feature not offered (HOST_TSO4), VERSION_1 or not: refused.
-    assert_eq!(g.negotiate(DRIVER_FEATURES | CSUM | 1 << VIRTIO_NET_F_HOST_TSO4) & FEATURES_OK, 0);
+    // A feature not offered (HOST_UFO), VERSION_1 or not: refused.
+    assert_eq!(g.negotiate(DRIVER_FEATURES | CSUM | 1 << VIRTIO_NET_F_HOST_UFO) & FEATURES_OK, 0);
     // The new ones offered are accepted.
     let all = DRIVER_FEATURES | EVENT_IDX | MRG | CSUM | GUEST_CSUM;
     assert_eq!(g.negotiate(all), ACK_DRIVER | FEATURES_OK);
@@ -1226,7 +1254,7 @@ fn test_event_idx_driver_kicking_only_when_asked_never_stalls() {
         for n in 0..2 * RX_FRAMES {
             let mut f = frame(100, 0);
             f[20..24].copy_from_slice(&n.to_le_bytes());
-            peer.send(&f).unwrap();
+            peer.send(&[&offload::plain_header()[..], &f].concat()).unwrap();
         }
     });
     // Posts buffers until `depth` are out past used index `upto`, and kicks if asked to.
@@ -1272,10 +1300,15 @@ fn test_event_idx_driver_kicking_only_when_asked_never_stalls() {
 }
 
 #[test]
-fn test_tx_checksum_completed_with_csum() {
+fn test_tx_checksum_travels_with_the_frame_and_a_receiver_without_guest_csum_completes_it() {
     let mut g = Guest::new("t16", true, 1500);
     g.bring_up_with(DRIVER_FEATURES | CSUM);
-    for p in [udp4(b"checksum me, odd length"), tcp6(b"hello over ipv6 and tcp!"), udp4(&[0x5a; 1400])] {
+    let mut plain = Guest::new("t16-rx", true, 1500);
+    plain.bring_up();
+    for (i, p) in [udp4(b"checksum me, odd length"), tcp6(b"hello over ipv6 and tcp!"), udp4(&[0x5a; 1400])]
+        .into_iter()
+        .enumerate()
+    {
         let partial = p.partial();
         assert!(!Packet::verifies(&partial, &p));
         // The header alone, then the frame in two pieces split inside the transport header.
@@ -1285,10 +1318,22 @@ fn test_tx_checksum_completed_with_csum() {
         let rest = (partial.len() - p.l4 - 3) as u32;
         g.post(TX_QUEUE, &[(0x10000, NET_HDR_LEN as u32), (0x11000, p.l4 as u32 + 3), (0x12000, rest)], false);
         g.kick(TX_QUEUE);
-        let got = g.recv_on_wire();
-        assert!(Packet::verifies(&got, &p), "the checksum the device filled in verifies");
-        assert_eq!(got, p.frame);
+        // The device computes nothing: header and partial frame go on the wire as written.
+        let (header, got) = g.recv_packet_on_wire();
+        assert_eq!(header, p.needs_csum_header());
+        assert_eq!(got, partial);
         g.wait_used(TX_QUEUE, 1);
+        // A receiving device whose guest did not take GUEST_CSUM completes it.
+        let addr = 0x20000 + 0x1000 * i as u64;
+        plain.post(RX_QUEUE, &[(addr, 2048)], true);
+        plain.kick(RX_QUEUE);
+        plain.send_packet_from_wire(&header, &got);
+        let len = plain.wait_used(RX_QUEUE, 1)[0].1 as usize;
+        let mut delivered = vec![0u8; len];
+        plain.mem.read_slice(&mut delivered, GuestAddress(addr)).unwrap();
+        assert_eq!(&delivered[..NET_HDR_LEN], &rx_header(1), "flags 0 for a guest without GUEST_CSUM");
+        assert!(Packet::verifies(&delivered[NET_HDR_LEN..], &p), "the checksum the receiver filled in verifies");
+        assert_eq!(&delivered[NET_HDR_LEN..], &p.frame[..]);
     }
 
     // Checksums outside the frame: dropped as malformed, never sent, the device carries on.
@@ -1304,21 +1349,27 @@ fn test_tx_checksum_completed_with_csum() {
     }
     let stats = g.dev.stats();
     assert_eq!((stats.malformed, stats.tx_frames, stats.needs_reset), (5, 3, 0));
-    // The last two bytes of the frame are still inside it.
+    // The last two bytes of the frame are still inside it; the receiver completes it there.
     let mut bytes = p.needs_csum_header().to_vec();
     bytes[6..8].copy_from_slice(&(len - 2).to_le_bytes());
     bytes[8..10].copy_from_slice(&0u16.to_le_bytes());
     bytes.extend_from_slice(&p.frame);
     g.transmit(0x10000, &bytes);
-    let got = g.recv_on_wire();
+    let (header, got) = g.recv_packet_on_wire();
     assert_eq!(got.len(), p.frame.len(), "the next frame on the wire is this one: the bad ones were not sent");
+    g.wait_used(TX_QUEUE, 1);
+    plain.post(RX_QUEUE, &[(0x30000, 2048)], true);
+    plain.kick(RX_QUEUE);
+    plain.send_packet_from_wire(&header, &got);
+    plain.wait_used(RX_QUEUE, 1);
     let end = len as usize - 2;
+    let mut field = [0u8; 2];
+    plain.mem.read_slice(&mut field, GuestAddress(0x30000 + (NET_HDR_LEN + end) as u64)).unwrap();
     let expected = match internet_checksum(&p.frame[end..]) {
         0 => 0xffff,
         c => c,
     };
-    assert_eq!(u16::from_be_bytes([got[end], got[end + 1]]), expected);
-    g.wait_used(TX_QUEUE, 1);
+    assert_eq!(u16::from_be_bytes(field), expected);
 
     // A header without NEEDS_CSUM: the frame goes as it is, checksum field included.
     let mut bytes = vec![0u8; NET_HDR_LEN];
@@ -1326,6 +1377,91 @@ fn test_tx_checksum_completed_with_csum() {
     g.transmit(0x10000, &bytes);
     assert_eq!(g.recv_on_wire(), p.partial());
     g.wait_used(TX_QUEUE, 1);
+}
+
+/// A TCP/IPv4 frame of `payload` from 10.1.2.3:80 to 10.1.2.4:81 as Linux hands one to a
+/// TSO device: lengths for the whole frame, the checksum field holding the pseudo-header
+/// seed, and the header asking for segmentation at `mss`.
+fn tso4(payload: &[u8], mss: u16) -> ([u8; NET_HDR_LEN], Vec<u8>) {
+    let mut f = frame(14, 0)[..12].to_vec();
+    f.extend_from_slice(&[0x08, 0x00, 0x45, 0]);
+    f.extend_from_slice(&(40 + payload.len() as u16).to_be_bytes());
+    f.extend_from_slice(&[0, 1, 0x40, 0, 64, 6, 0, 0, 10, 1, 2, 3, 10, 1, 2, 4]);
+    f.extend_from_slice(&[0, 80, 0, 81, 0, 0, 0, 1, 0, 0, 0, 1, 0x50, 0x18, 0xff, 0xff, 0, 0, 0, 0]);
+    f.extend_from_slice(payload);
+    let mut h = [0u8; NET_HDR_LEN];
+    h[0] = NEEDS_CSUM;
+    h[1] = 1; // VIRTIO_NET_HDR_GSO_TCPV4
+    h[2..4].copy_from_slice(&54u16.to_le_bytes());
+    h[4..6].copy_from_slice(&mss.to_le_bytes());
+    h[6..8].copy_from_slice(&34u16.to_le_bytes());
+    h[8..10].copy_from_slice(&16u16.to_le_bytes());
+    (h, f)
+}
+
+#[test]
+fn test_tso_frames_cross_whole_and_are_segmented_for_a_guest_without_guest_tso() {
+    let payload: Vec<u8> = (0..30_000u32).map(|i| (i % 251) as u8).collect();
+    let (header, frame) = tso4(&payload, 8960);
+    // The sender's guest took HOST_TSO4: the 30 KB frame goes on the wire as one packet.
+    let mut tx = Guest::new("t-tso-tx", true, 9000);
+    tx.bring_up_with(DRIVER_FEATURES | CSUM | TSO);
+    tx.transmit(0x10000, &[&header[..], &frame].concat());
+    let (on_wire, got) = tx.recv_packet_on_wire();
+    assert_eq!((on_wire, got.len()), (header, frame.len()));
+    tx.wait_used(TX_QUEUE, 1);
+    // A segmentation request with gso_size 0 is malformed.
+    let mut bad = header;
+    bad[4..6].fill(0);
+    let head = tx.transmit(0x10000, &[&bad[..], &frame].concat());
+    assert_eq!(tx.wait_used(TX_QUEUE, 1), vec![(u32::from(head), 0)]);
+    assert_eq!(tx.dev.stats().malformed, 1);
+
+    // A receiver whose guest took GUEST_TSO4 (with MRG_RXBUF, as Linux does) gets it whole.
+    let mut whole = Guest::new("t-tso-whole", true, 9000);
+    whole.bring_up_with(DRIVER_FEATURES | GUEST_CSUM | TSO | MRG);
+    let bufs = whole.post_rx_buffers(&(0..16).map(|i| 0x100000 + 0x1000 * i).collect::<Vec<_>>(), 4096);
+    whole.kick(RX_QUEUE);
+    whole.send_packet_from_wire(&on_wire, &got);
+    let used = whole.wait_used(RX_QUEUE, 8);
+    assert_eq!(used.iter().map(|(_, len)| *len as usize).sum::<usize>(), NET_HDR_LEN + frame.len());
+    let mut first = [0u8; NET_HDR_LEN];
+    whole.mem.read_slice(&mut first, GuestAddress(bufs[0].1)).unwrap();
+    assert_eq!((first[0], first[1], u16::from_le_bytes([first[4], first[5]])), (NEEDS_CSUM, 1, 8960));
+    assert_eq!(u16::from_le_bytes([first[10], first[11]]), 8, "num_buffers");
+
+    // One that took only GUEST_CSUM gets four segments of at most 8960 bytes, each a whole
+    // TCP segment whose checksum the device made and says is valid.
+    let mut cut = Guest::new("t-tso-cut", true, 9000);
+    cut.bring_up_with(DRIVER_FEATURES | GUEST_CSUM);
+    for i in 0..4u64 {
+        cut.post(RX_QUEUE, &[(0x200000 + 0x4000 * i, 0x4000)], true);
+    }
+    cut.kick(RX_QUEUE);
+    cut.send_packet_from_wire(&on_wire, &got);
+    let used = cut.wait_used(RX_QUEUE, 4);
+    let mut joined = Vec::new();
+    for (i, (_, len)) in used.iter().enumerate() {
+        let mut seg = vec![0u8; *len as usize];
+        cut.mem.read_slice(&mut seg, GuestAddress(0x200000 + 0x4000 * i as u64)).unwrap();
+        assert_eq!(seg[0], DATA_VALID, "segment {i}");
+        assert!(seg.len() <= NET_HDR_LEN + 54 + 8960, "segment {i}: {} bytes", seg.len());
+        assert_eq!(
+            crate::virtio::csum::verify(&seg[NET_HDR_LEN..]),
+            crate::virtio::csum::Verdict::Valid,
+            "segment {i}"
+        );
+        joined.extend_from_slice(&seg[NET_HDR_LEN + 54..]);
+    }
+    assert_eq!(joined, payload);
+    assert_eq!(cut.dev.stats().rx_frames, 4);
+}
+
+#[test]
+fn test_no_tso_offered_over_a_wire_of_small_datagrams() {
+    let mut g = Guest::with_port_limit("t-udp", 65507);
+    assert_eq!(g.device_features() & TSO, 0);
+    assert_eq!(g.device_features() & (CSUM | GUEST_CSUM), CSUM | GUEST_CSUM);
 }
 
 #[test]
@@ -1626,7 +1762,7 @@ fn test_mrg_rxbuf_driver_kicking_only_when_asked_never_stalls() {
         for n in 0..total {
             let mut f = frame(LEN, n as u8);
             f[20..24].copy_from_slice(&n.to_le_bytes());
-            peer.send(&f).unwrap();
+            peer.send(&[&offload::plain_header()[..], &f].concat()).unwrap();
         }
     });
     // One buffer at a time, each with its own kick decision: the second of a frame's
