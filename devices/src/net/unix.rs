@@ -154,8 +154,10 @@ pub struct UnixPort {
 /// that watchdog, as QEMU's `dgram` netdev, which queues without limit, has none. The wait
 /// is the sending device's transmit worker's, never a vCPU's, the VMM's or its receive
 /// worker's (see `virtio::net`): the guest's transmit ring fills meanwhile and its driver
-/// stops the queue, as behind a paused link.
-const FULL_PEER_WAIT: Duration = Duration::from_millis(100);
+/// stops the queue, as behind a paused link. A whole second: nested, a receiving guest
+/// busy with a 4 MiB RDMA burst was seen to leave its queue full past 100 ms, and every
+/// frame dropped then cost soft-RoCE a retransmission (ib_write_bw fell by a third).
+const FULL_PEER_WAIT: Duration = Duration::from_secs(1);
 /// How long a peer that stayed full for [`FULL_PEER_WAIT`] counts as stuck: frames to it
 /// are dropped at once meanwhile, so that a stopped peer costs the others on the hub one
 /// pause a second.
