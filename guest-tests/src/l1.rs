@@ -10,7 +10,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use gdrvm_model::kvm_exits::{ExitReasons, KvmExits, Shutdown, Vendor, DEBUGFS_KVM, TRACEFS};
-use gdrvm_model::l1::{job_output_prefix, L1Job, L1Jobs, IN_L1_ENV, JOBS_PATH, LEFT_BEHIND, MARKER};
+use gdrvm_model::l1::{job_output_prefix, L1Job, L1Jobs, IN_L1_ENV, JOBS_PATH, LEFT_BEHIND, MARKER, SURVIVED_SIGKILL};
 
 /// Whether shared memory (memfds) may be backed by transparent huge pages.
 const SHMEM_THP: &str = "/sys/kernel/mm/transparent_hugepage/shmem_enabled";
@@ -221,10 +221,17 @@ fn run_relayed(i: usize, job: &L1Job, reasons: Option<Vendor>) -> std::io::Resul
     // Whatever the job started must have ended with it (a VMM's device emulators): report
     // and kill what did not, before waiting for the relays its pipes would hold open.
     let prefix = job_output_prefix(i);
-    for (pid, comm) in leftovers() {
+    let left = leftovers();
+    for (pid, comm) in &left {
         println!("{prefix}{LEFT_BEHIND} pid {pid} ({comm})");
         // SAFETY: kill touches no memory of ours; `pid` is a process this agent outlives.
-        unsafe { libc::kill(pid, libc::SIGKILL) };
+        unsafe { libc::kill(*pid, libc::SIGKILL) };
+    }
+    // A process still there seconds after SIGKILL is stuck in the kernel, not leaked.
+    let survivors = survivors_of(&left, SIGKILL_GRACE);
+    if !survivors.is_empty() {
+        let list: Vec<String> = survivors.iter().map(|(pid, comm)| format!("pid {pid} ({comm})")).collect();
+        println!("{prefix}{SURVIVED_SIGKILL} {}", list.join(", "));
     }
     // Nor files: wire sockets and directories of a cluster, temporary files of a VMM.
     for path in leftover_files(Path::new(SCRATCH_DIR)) {
@@ -239,6 +246,22 @@ fn run_relayed(i: usize, job: &L1Job, reasons: Option<Vendor>) -> std::io::Resul
         }
     }
     result
+}
+
+/// How long processes killed with SIGKILL get to be gone.
+const SIGKILL_GRACE: Duration = Duration::from_secs(5);
+
+/// Those of `killed` still running after up to `grace`.
+fn survivors_of(killed: &[(i32, String)], grace: Duration) -> Vec<(i32, String)> {
+    let until = Instant::now() + grace;
+    loop {
+        let now = leftovers();
+        let still: Vec<(i32, String)> = killed.iter().filter(|k| now.contains(k)).cloned().collect();
+        if still.is_empty() || Instant::now() >= until {
+            return still;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// Where L1's jobs may leave temporary files (empty before each job).

@@ -208,7 +208,11 @@ impl VmResult {
     /// keeps each earlier run's end; a guest that really does this does it again.
     ///
     /// In a cluster run (consoles prefixed `[node] `), one node's guest doing so counts too.
+    /// A job that hung with processes L1 could not kill (stuck in L1's kernel) counts too.
     pub fn lost_to_emulator(&self) -> bool {
+        if self.outcome == VmOutcome::TimedOut {
+            return self.console.iter().any(|l| l.contains(gdrvm_model::l1::SURVIVED_SIGKILL));
+        }
         if self.outcome != VmOutcome::Exited(1) {
             return false;
         }
@@ -298,6 +302,14 @@ mod tests {
         assert!(cluster.lost_to_emulator());
         let own = result(VmOutcome::Exited(1), &died.replace("error_entry+0x1e", "do_sys_poll+0x1e"));
         assert!(!own.lost_to_emulator());
+    }
+
+    #[test]
+    fn test_a_hang_counts_only_when_l1_could_not_kill_the_job() {
+        let hung = "[a] # rdma: pairing with b\ngdrvm-l1: left behind by the job: pid 240 (gdrvm)";
+        assert!(!result(VmOutcome::TimedOut, hung).lost_to_emulator());
+        let stuck = format!("{hung}\n{} pid 240 (gdrvm)", gdrvm_model::l1::SURVIVED_SIGKILL);
+        assert!(result(VmOutcome::TimedOut, &stuck).lost_to_emulator());
     }
 
     #[test]

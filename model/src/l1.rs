@@ -14,6 +14,10 @@ pub const EMULATORS: [&str; 2] = ["gdrvm-gpu-emu", "gdrvm-nic-emu"];
 /// What L1's agent prints in a job's output for each process the job left running after
 /// it ended (a device emulator that outlived its VMM), before killing it.
 pub const LEFT_BEHIND: &str = "gdrvm-l1: left behind by the job:";
+/// What L1's agent prints when processes it killed were still there seconds later: they
+/// are stuck in L1's kernel (a vCPU thread in KVM_RUN on an L1 CPU that no longer comes
+/// back from its guest), which no userspace bug causes; the job is lost to the emulator.
+pub const SURVIVED_SIGKILL: &str = "gdrvm-l1: survived SIGKILL (stuck in L1's kernel):";
 /// Prefix of every marker line.
 pub const MARKER: &str = "@@gdrvm-l1 ";
 /// Set in the environment of L1's jobs: a node with a `[nested]` table names L1's lab
