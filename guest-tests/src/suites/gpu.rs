@@ -22,6 +22,9 @@ use crate::suites::rdma::process;
 /// Where the image puts gdrvm-gpu.
 pub const GPU: &str = "/usr/bin/gdrvm-gpu";
 
+/// Why the suite skips where gdrvm-gpu is in neither place [`binary`] looks.
+const NO_HELPER: &str = "no gdrvm-gpu (neither /usr/bin/gdrvm-gpu nor beside gdrvm-agent)";
+
 /// Longest gdrvm-gpu may run (bounded copies: seconds even with eight GPUs).
 const LIMIT: Duration = Duration::from_secs(180);
 
@@ -32,7 +35,7 @@ const SYSFS_PCI: &str = "/sys/bus/pci/devices";
 
 pub fn run(ctx: &Context) -> Vec<Check> {
     let Some(bin) = binary() else {
-        return all_skip("no gdrvm-gpu in this image");
+        return all_skip(NO_HELPER);
     };
     let out = match process::run(&bin, &[], LIMIT) {
         Ok(o) => o,
@@ -636,8 +639,8 @@ mod tests {
         for c in &checks {
             assert_eq!(c.verdict, Verdict::Skip("libcuda cannot be loaded".into()), "{c:?}");
         }
-        let missing = all_skip("no gdrvm-gpu in this image");
-        assert!(missing.iter().all(|c| c.verdict == Verdict::Skip("no gdrvm-gpu in this image".into())));
+        let missing = all_skip(NO_HELPER);
+        assert!(missing.iter().all(|c| c.verdict == Verdict::Skip(NO_HELPER.into())));
         let b = broken("gdrvm-gpu exited with status 1".into(), vec![]);
         assert_eq!(b[0].verdict, Verdict::Fail("gdrvm-gpu exited with status 1".into()));
         assert_eq!(b[1].verdict, Verdict::Skip("gdrvm-gpu gave no report".into()));
