@@ -90,13 +90,14 @@ pub const RX_QUEUE: usize = 0;
 pub const TX_QUEUE: usize = 1;
 /// Queues: one receive/transmit pair.
 const QUEUES: u16 = 2;
-/// Bytes of `virtio_net_hdr_v1` (VERSION_1: `num_buffers` is always there).
-pub const NET_HDR_LEN: usize = 12;
+/// Bytes of `virtio_net_hdr_v1` (VERSION_1: `num_buffers` is always there): the wire's
+/// offload header.
+pub const NET_HDR_LEN: usize = crate::net::OFFLOAD_LEN;
 /// The longest frame the device carries either way (64 KiB plus an Ethernet header with
 /// a VLAN tag, as the wire does); a longer transmit chain is malformed.
 pub const MAX_FRAME: usize = crate::net::MAX_FRAME;
 /// The shortest frame the device sends: an Ethernet header.
-const MIN_FRAME: usize = 14;
+const MIN_FRAME: usize = crate::net::MIN_FRAME;
 /// Bytes of the device configuration (`virtio_net_config` up to `mtu`).
 const NET_CONFIG_LEN: usize = 12;
 /// Where `num_buffers` is in the header.
@@ -857,7 +858,7 @@ impl Datapath {
                     self.rx_pending = Some(packet.len() - NET_HDR_LEN);
                 } else {
                     match port.recv(&mut self.rx_buf) {
-                        Ok(Some(len)) if len >= NET_HDR_LEN + crate::net::MIN_FRAME => {
+                        Ok(Some(len)) if len >= NET_HDR_LEN + MIN_FRAME => {
                             match offload::incoming(&mut self.rx_buf[..len], self.rx) {
                                 Incoming::Deliver => self.rx_pending = Some(len - NET_HDR_LEN),
                                 Incoming::Segments(segments) => {
