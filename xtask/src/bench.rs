@@ -175,7 +175,13 @@ fn median_by_kind<'a>(counts: impl Iterator<Item = (&'a str, u64)>) -> Vec<(&'a 
 }
 
 /// Prints gdrvm's figure over the best QEMU's as a ratio against its target.
+/// Without a figure from every QEMU the best one is unknown (a slower QEMU would stand in
+/// for a faster one that lost runs), so the ratio is n/a, naming the QEMU short of samples.
 fn print_ratio(what: &str, figures: &[BootFigures], of: fn(&BootFigures) -> Option<f64>, target: &str) {
+    if let Some(short) = figures[1..].iter().find(|f| of(f).is_none()) {
+        println!("xtask: bench: {what} ratio n/a ({} has fewer than {MIN_SAMPLES} samples)", short.name);
+        return;
+    }
     let best = figures[1..].iter().filter_map(|f| Some((f.name, of(f)?))).min_by(|a, b| a.1.total_cmp(&b.1));
     match (of(&figures[0]), best) {
         (Some(g), Some((qname, q))) if q > 0.0 => {
