@@ -703,10 +703,11 @@ fn record_sysfs(output: &std::path::Path, opts: &RunOpts) -> Result<i32> {
         eprintln!("xtask: usage: {} exists; record-sysfs writes a new directory", output.display());
         return Ok(exit::USAGE);
     }
+    let artifacts = build::artifacts()?;
     let spec = VmSpec {
         name: "record-sysfs".into(),
         vmm: Vmm::Gdrvm,
-        image: build::artifacts()?.guest,
+        image: artifacts.guest.clone(),
         node: opts.node.clone(),
         cluster: None,
         cmdline: regress::suites_cmdline(&["capture".to_owned()], record::CMDLINE_FLAG),
@@ -714,7 +715,6 @@ fn record_sysfs(output: &std::path::Path, opts: &RunOpts) -> Result<i32> {
         memory: opts.memory.clone(),
         timeout: Duration::from_secs(opts.timeout),
     };
-    let artifacts = build::artifacts()?;
     run_interruptible(async {
         let runner = runner(artifacts, opts.runner, false).await?;
         let results = runner.run(std::slice::from_ref(&spec)).await?;
