@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use gdrvm_model::kvm_exits::{ExitReasons, KvmExits, Shutdown, Vendor, DEBUGFS_KVM, TRACEFS};
 use gdrvm_model::l1::{job_output_prefix, L1Job, L1Jobs, IN_L1_ENV, JOBS_PATH, LEFT_BEHIND, MARKER, SURVIVED_SIGKILL};
+use gdrvm_model::symbols::SymbolMap;
 
 /// Whether shared memory (memfds) may be backed by transparent huge pages.
 const SHMEM_THP: &str = "/sys/kernel/mm/transparent_hugepage/shmem_enabled";
@@ -151,14 +152,21 @@ fn run_attached(job: &L1Job) -> std::io::Result<Option<i32>> {
     Ok(Some(code(command(job).status()?)))
 }
 
-/// Relays a job's output; with `first_ktap` (when the job started, its pid, and the exit
-/// histograms' vendor where they count), also reports when the first KTAP line arrived and
-/// the exits KVM counted for the job's VM until then.
-fn relay(
-    job: usize,
-    stream: impl Read + Send + 'static,
-    first_ktap: Option<(Instant, u32, Option<Vendor>)>,
-) -> std::thread::JoinHandle<()> {
+/// What the relay of a job's standard output reports at its first KTAP line.
+struct FirstKtap {
+    /// When the job started.
+    started: Instant,
+    /// The job's process, whose VM's counters are read.
+    pid: u32,
+    /// The exit histograms' vendor, where they count.
+    reasons: Option<Vendor>,
+    /// Whether the guest runs L1's kernel, so L1's symbols name its exit sites.
+    l1_kernel: bool,
+}
+
+/// Relays a job's output; with `first_ktap`, also reports when the first KTAP line arrived
+/// and the exits KVM counted for the job's VM until then.
+fn relay(job: usize, stream: impl Read + Send + 'static, first_ktap: Option<FirstKtap>) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let prefix = job_output_prefix(job);
         let mut first_ktap = first_ktap;
@@ -166,21 +174,30 @@ fn relay(
             let line = String::from_utf8_lossy(&line);
             let line = line.trim_end_matches('\r');
             if line == "KTAP version 1" {
-                if let Some((t, pid, reasons)) = first_ktap.take() {
+                if let Some(FirstKtap { started: t, pid, reasons, l1_kernel }) = first_ktap.take() {
                     println!("{MARKER}job {job} ktap {}", t.elapsed().as_millis());
-                    if let Some(vendor) = reasons {
-                        match ExitReasons::read(Path::new(TRACEFS), vendor).map(|r| serde_json::to_string(&r)) {
-                            Ok(Ok(json)) => println!("{MARKER}job {job} reasons {json}"),
-                            Ok(Err(e)) => println!("# gdrvm-l1: job {job}: exits by reason: {e}"),
-                            Err(e) => println!("# gdrvm-l1: job {job}: no exits by reason: {e}"),
-                        }
-                    }
+                    // The VM's own counters first: a guest with nothing to run powers off
+                    // right after this line, and its counters go with it.
                     match KvmExits::read(Path::new(DEBUGFS_KVM), pid) {
                         Ok(exits) => match serde_json::to_string(&exits) {
                             Ok(json) => println!("{MARKER}job {job} exits {json}"),
                             Err(e) => println!("# gdrvm-l1: job {job}: exit counts: {e}"),
                         },
                         Err(e) => println!("# gdrvm-l1: job {job}: no exit counts: {e}"),
+                    }
+                    if let Some(vendor) = reasons {
+                        let read = ExitReasons::read(Path::new(TRACEFS), vendor).map(|mut r| {
+                            // Named after the read: kallsyms is slow to read the first time.
+                            if let Some(map) = l1_kernel.then(l1_symbols).flatten() {
+                                r.name_sites(map);
+                            }
+                            serde_json::to_string(&r)
+                        });
+                        match read {
+                            Ok(Ok(json)) => println!("{MARKER}job {job} reasons {json}"),
+                            Ok(Err(e)) => println!("# gdrvm-l1: job {job}: exits by reason: {e}"),
+                            Err(e) => println!("# gdrvm-l1: job {job}: no exits by reason: {e}"),
+                        }
                     }
                 }
             }
@@ -190,6 +207,24 @@ fn relay(
             }
         }
     })
+}
+
+/// L1's own kernel symbols, read once: a guest booted from the same vmlinux runs at the
+/// same addresses. None where kallsyms hides them.
+fn l1_symbols() -> Option<&'static SymbolMap> {
+    static MAP: std::sync::OnceLock<Option<SymbolMap>> = std::sync::OnceLock::new();
+    MAP.get_or_init(|| match SymbolMap::load(Path::new("/proc/kallsyms")) {
+        Ok(map) if !map.is_empty() => Some(map),
+        Ok(_) => {
+            println!("# gdrvm-l1: /proc/kallsyms shows no addresses: exit sites stay addresses");
+            None
+        }
+        Err(e) => {
+            println!("# gdrvm-l1: cannot read /proc/kallsyms, exit sites stay addresses: {e}");
+            None
+        }
+    })
+    .as_ref()
 }
 
 /// Prints KVM's record of the guests' shutdowns since the last look, on the job's output.
@@ -211,7 +246,10 @@ fn run_relayed(i: usize, job: &L1Job, reasons: Option<Vendor>) -> std::io::Resul
     let mut child = command(job).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
     let pid = child.id();
     let relays: Vec<_> = [
-        child.stdout.take().map(|s| relay(i, s, Some((started, pid, reasons)))),
+        child
+            .stdout
+            .take()
+            .map(|s| relay(i, s, Some(FirstKtap { started, pid, reasons, l1_kernel: job.guest_runs_l1_kernel }))),
         child.stderr.take().map(|s| relay(i, s, None)),
     ]
     .into_iter()

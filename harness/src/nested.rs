@@ -358,7 +358,13 @@ impl Runner {
                     });
                     let files = (Path::new(&k), Path::new(&i), node.as_deref());
                     let (program, args) = s.command_line(Path::new(GDRVM_PATH), files, interactive);
-                    L1Job { program: program.display().to_string(), args, timeout_secs: s.timeout.as_secs().max(1) }
+                    L1Job {
+                        program: program.display().to_string(),
+                        args,
+                        timeout_secs: s.timeout.as_secs().max(1),
+                        guest_runs_l1_kernel: s.image.kernel == self.artifacts.l1.kernel
+                            && !self.artifacts.l1.kernel.to_string_lossy().ends_with("bzImage"),
+                    }
                 })
                 .collect(),
         };

@@ -12,6 +12,8 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use crate::symbols::SymbolMap;
+
 /// Where KVM's debugfs directory is when debugfs is mounted at its usual place.
 pub const DEBUGFS_KVM: &str = "/sys/kernel/debug/kvm";
 
@@ -103,17 +105,26 @@ impl KvmExits {
 /// Where the kernel's tracing files are when debugfs is mounted at its usual place.
 pub const TRACEFS: &str = "/sys/kernel/debug/tracing";
 
-/// The histogram of exits by reason, on KVM's `kvm_exit` tracepoint.
-const EXIT_HIST: (&str, &str) = ("events/kvm/kvm_exit", "hist:keys=exit_reason");
+/// The histogram of exits by reason and guest instruction pointer, on KVM's `kvm_exit`
+/// tracepoint: which code in the guest exits, and how; the exits by reason are its sums. One
+/// histogram on the event, not one by reason besides: 6.1 keeps only the last of two there.
+/// Sized for a boot's distinct sites (about a thousand); hits past that are counted as
+/// dropped.
+const EXIT_HIST: (&str, &str) = ("events/kvm/kvm_exit", "hist:keys=exit_reason,guest_rip:size=16384");
 /// The histogram of MSR accesses by register and direction, on `kvm_msr`.
 const MSR_HIST: (&str, &str) = ("events/kvm/kvm_msr", "hist:keys=ecx,write");
+/// The histogram of CPUID exits by leaf and subleaf, on `kvm_cpuid`: a paravirtualized
+/// kernel executes every CPUID in one function, so its site says nothing of the caller.
+const CPUID_HIST: (&str, &str) = ("events/kvm/kvm_cpuid", "hist:keys=function,index");
 
 /// The exits of the host's VMs by reason, and their MSR accesses by register, counted in
 /// kernel-side histograms (hist triggers) on KVM's tracepoints: what the per-VM counters
 /// do not split, such as MSR writes and CPUID. They count every VM of the host together,
 /// so they are read for one job at a time (L1 runs its jobs one after another).
 ///
-/// Keys: `reason NAME` (`reason msr`, `reason cpuid`, ...) and `msr read|write 0xN NAME`.
+/// Keys: `reason NAME` (`reason msr`, `reason cpuid`, ...), `msr read|write 0xN NAME` and
+/// `site NAME 0xRIP` (the exits of reason NAME at guest address RIP) and `cpuid 0xLEAF
+/// 0xSUBLEAF`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ExitReasons(pub BTreeMap<String, u64>);
 
@@ -225,11 +236,20 @@ fn msr_name(msr: u64) -> &'static str {
     }
 }
 
+/// Where an x86-64 kernel's text is mapped: its physical address plus this.
+const KERNEL_MAP: u64 = 0xffff_ffff_8000_0000;
+/// The physical range a kernel loaded at its link address (16 MiB) occupies.
+const KERNEL_PHYS: u64 = 16 << 20;
+const KERNEL_PHYS_END: u64 = 1 << 30;
+
+/// The reason given to exits the histogram had no room for.
+pub const DROPPED: &str = "unrecorded (histogram full)";
+
 impl ExitReasons {
-    /// Installs both histograms under `tracefs`, or clears them where they are installed:
+    /// Installs the histograms under `tracefs`, or clears them where they are installed:
     /// from here on they count for the next job.
     pub fn start(tracefs: &Path) -> std::io::Result<()> {
-        for (event, spec) in [EXIT_HIST, MSR_HIST] {
+        for (event, spec) in [EXIT_HIST, MSR_HIST, CPUID_HIST] {
             let trigger = tracefs.join(event).join("trigger");
             // An identical trigger is refused once installed; `:clear` empties it instead.
             if std::fs::write(&trigger, spec).is_err() {
@@ -239,11 +259,14 @@ impl ExitReasons {
         Ok(())
     }
 
-    /// Reads both histograms under `tracefs`, naming exit codes as `vendor`'s.
+    /// Reads the histograms under `tracefs`, naming exit codes as `vendor`'s.
     pub fn read(tracefs: &Path, vendor: Vendor) -> std::io::Result<ExitReasons> {
         let exits = std::fs::read_to_string(tracefs.join(EXIT_HIST.0).join("hist"))?;
         let msrs = std::fs::read_to_string(tracefs.join(MSR_HIST.0).join("hist"))?;
-        Ok(ExitReasons::parse(&exits, &msrs, vendor))
+        let cpuid = std::fs::read_to_string(tracefs.join(CPUID_HIST.0).join("hist"))?;
+        let mut r = ExitReasons::parse(&exits, &msrs, vendor);
+        r.add_cpuid_leaves(&cpuid);
+        Ok(r)
     }
 
     /// Parses the `hist` files' entries (`{ exit_reason: 124 } hitcount: 7`, `{ ecx: 1760,
@@ -251,9 +274,18 @@ impl ExitReasons {
     pub fn parse(exits: &str, msrs: &str, vendor: Vendor) -> ExitReasons {
         let mut map = BTreeMap::new();
         for (keys, n) in hist_entries(exits) {
-            if let Some(&code) = keys.get("exit_reason") {
-                *map.entry(format!("reason {}", vendor.exit_name(code))).or_insert(0) += n;
+            let Some(&code) = keys.get("exit_reason") else { continue };
+            let reason = vendor.exit_name(code);
+            if let Some(&rip) = keys.get("guest_rip") {
+                *map.entry(format!("site {reason} {rip:#x}")).or_insert(0) += n;
             }
+            *map.entry(format!("reason {reason}")).or_insert(0) += n;
+        }
+        // Exits the full histogram had no room for: counted, with no reason.
+        let dropped: u64 =
+            exits.lines().filter_map(|l| l.trim().strip_prefix("Dropped:")?.trim().parse::<u64>().ok()).sum();
+        if dropped > 0 {
+            map.insert(format!("reason {DROPPED}"), dropped);
         }
         for (keys, n) in hist_entries(msrs) {
             if let (Some(&msr), Some(&write)) = (keys.get("ecx"), keys.get("write")) {
@@ -268,6 +300,58 @@ impl ExitReasons {
     /// The `reason ...` entries, largest first, without their prefix.
     pub fn reasons(&self) -> Vec<(&str, u64)> {
         self.with_prefix("reason ")
+    }
+
+    /// Adds the entries of a `kvm_cpuid` hist file (`{ function: 11, index: 1 } hitcount: 4`).
+    pub fn add_cpuid_leaves(&mut self, hist: &str) {
+        for (keys, n) in hist_entries(hist) {
+            if let (Some(&leaf), Some(&sub)) = (keys.get("function"), keys.get("index")) {
+                *self.0.entry(format!("cpuid {leaf:#x} {sub:#x}")).or_insert(0) += n;
+            }
+        }
+    }
+
+    /// The `cpuid ...` entries (`0xLEAF 0xSUBLEAF`), largest first.
+    pub fn cpuid_leaves(&self) -> Vec<(&str, u64)> {
+        self.with_prefix("cpuid ")
+    }
+
+    /// The `site ...` entries as (reason, place, exits), most exits first: the place is
+    /// the guest address (`0x...`) or, once [`ExitReasons::name_sites`] ran, the function.
+    pub fn sites(&self) -> Vec<(&str, &str, u64)> {
+        self.with_prefix("site ")
+            .into_iter()
+            .filter_map(|(k, n)| {
+                let (reason, place) = k.rsplit_once(' ')?;
+                Some((reason, place, n))
+            })
+            .collect()
+    }
+
+    /// Tells each site's address by the function of `map` it falls in (sites in one function
+    /// add up); the kernel's entry code, running at its physical address, is told as
+    /// `function(unpaged)`; an address no symbol covers (user space, firmware) stays as it is.
+    pub fn name_sites(&mut self, map: &SymbolMap) {
+        let sites: Vec<String> = self.0.keys().filter(|k| k.starts_with("site ")).cloned().collect();
+        for key in sites {
+            let Some((head, addr)) = key.rsplit_once(' ') else { continue };
+            let Some(addr) = addr.strip_prefix("0x").and_then(|a| u64::from_str_radix(a, 16).ok()) else { continue };
+            let named = match map.function(addr) {
+                Some(f) => format!("{head} {f}"),
+                // The kernel's entry code runs at its physical address before paging moves it
+                // up to the kernel map; a kernel at its link address sits 16 MiB up.
+                None if (KERNEL_PHYS..KERNEL_PHYS_END).contains(&addr) && map.in_kernel_text(addr + KERNEL_MAP) => {
+                    match map.function(addr + KERNEL_MAP) {
+                        Some(f) => format!("{head} {f}(unpaged)"),
+                        None => continue,
+                    }
+                }
+                None => continue,
+            };
+            if let Some(n) = self.0.remove(&key) {
+                *self.0.entry(named).or_insert(0) += n;
+            }
+        }
     }
 
     /// The `msr ...` entries, largest first, without their prefix.
@@ -444,36 +528,59 @@ mod tests {
     }
 
     #[test]
-    fn test_exit_reasons_are_named_from_the_histograms() {
-        let exits = "# event histogram\n#\n# trigger info: hist:keys=exit_reason:vals=hitcount\n#\n\n\
-            { exit_reason:        120 } hitcount:         30\n\
-            { exit_reason:        124 } hitcount:       2100\n\
-            { exit_reason:       1024 } hitcount:         12\n\
-            { exit_reason:       4095 } hitcount:          1\n\nTotals:\n    Hits: 2143\n";
+    fn test_exit_reasons_are_named_and_summed_from_the_histograms() {
+        let exits =
+            "# event histogram\n#\n# trigger info: hist:keys=exit_reason,guest_rip:vals=hitcount:size=16384\n#\n\n\
+            { exit_reason:        120, guest_rip: 18446744071589000000 } hitcount:         30\n\
+            { exit_reason:        124, guest_rip: 18446744071579000000 } hitcount:       2000\n\
+            { exit_reason:        124, guest_rip:          4198400 } hitcount:        100\n\
+            { exit_reason:        114, guest_rip: 18446744071581156608 } hitcount:         20\n\
+            { exit_reason:       4095, guest_rip:                0 } hitcount:          1\n\
+            \nTotals:\n    Hits: 2151\n    Entries: 5\n    Dropped: 0\n";
         let msrs = "{ ecx:       1760, write:          1 } hitcount:       1500\n\
             { ecx:       2059, write:          1 } hitcount:        400\n\
             { ecx:      12345, write:          0 } hitcount:          2\n";
-        let r = ExitReasons::parse(exits, msrs, Vendor::Svm);
-        assert_eq!(r.reasons(), vec![("msr", 2100), ("hlt", 30), ("nested page fault", 12), ("0xfff", 1)]);
+        let mut r = ExitReasons::parse(exits, msrs, Vendor::Svm);
+        assert_eq!(r.reasons(), vec![("msr", 2100), ("hlt", 30), ("cpuid", 20), ("0xfff", 1)]);
+        assert_eq!(r.sites()[..2], [("msr", "0xffffffff81025cc0", 2000), ("msr", "0x401000", 100)]);
+        assert_eq!(r.sites()[3], ("cpuid", "0xffffffff81234500", 20));
+        let map = SymbolMap::parse(
+            "ffffffff81000000 T startup_64\nffffffff81025c00 T native_write_msr\nffffffff81234000 t native_cpuid\n\
+             ffffffff81300000 T _etext\n",
+        );
+        r.0.insert("site cpuid 0x1000010".into(), 4);
+        r.0.insert("site cpuid 0x1400000".into(), 2);
+        r.name_sites(&map);
+        assert_eq!(r.sites()[..2], [("msr", "native_write_msr", 2000), ("msr", "0x401000", 100)]);
+        assert_eq!(r.sites()[3], ("cpuid", "native_cpuid", 20));
+        assert!(r.sites().contains(&("cpuid", "startup_64(unpaged)", 4)));
+        assert!(r.sites().contains(&("cpuid", "0x1400000", 2)), "past _etext: firmware, not the kernel");
         assert_eq!(
             r.msrs(),
             vec![("write 0x6e0 TSC deadline", 1500), ("write 0x80b x2APIC EOI", 400), ("read 0x3039", 2)]
         );
+        r.add_cpuid_leaves(
+            "{ function:         13, index:          1 } hitcount:          9\n{ function: 1 } hitcount: 2\n",
+        );
+        assert_eq!(r.cpuid_leaves(), vec![("0xd 0x1", 9)]);
         assert_eq!(
-            ExitReasons::parse("{ exit_reason: 32 } hitcount: 5", "", Vendor::Vmx).reasons(),
-            vec![("msr write", 5)]
+            ExitReasons::parse("{ exit_reason: 32, guest_rip: 1 } hitcount: 5\n  Dropped: 7\n", "", Vendor::Vmx)
+                .reasons(),
+            vec![(DROPPED, 7), ("msr write", 5)]
         );
     }
 
     #[test]
     fn test_exit_reasons_start_installs_then_clears() {
         let root = tempfile::tempdir().unwrap();
-        for (event, _) in [EXIT_HIST, MSR_HIST] {
+        for (event, _) in [EXIT_HIST, MSR_HIST, CPUID_HIST] {
             std::fs::create_dir_all(root.path().join(event)).unwrap();
         }
         ExitReasons::start(root.path()).unwrap();
         let trigger = std::fs::read_to_string(root.path().join(EXIT_HIST.0).join("trigger")).unwrap();
-        assert_eq!(trigger, "hist:keys=exit_reason");
+        assert_eq!(trigger, "hist:keys=exit_reason,guest_rip:size=16384");
+        let trigger = std::fs::read_to_string(root.path().join(CPUID_HIST.0).join("trigger")).unwrap();
+        assert_eq!(trigger, "hist:keys=function,index");
         assert!(ExitReasons::start(Path::new("/nonexistent/tracefs")).is_err());
     }
 

@@ -33,6 +33,10 @@ pub struct L1Job {
     pub args: Vec<String>,
     /// Seconds before L1 kills the job.
     pub timeout_secs: u64,
+    /// Its guest boots L1's own kernel at its ELF entry, so it runs at L1's addresses:
+    /// L1 names the guest's exit sites from its own `/proc/kallsyms`.
+    #[serde(default)]
+    pub guest_runs_l1_kernel: bool,
 }
 
 /// Everything L1 is asked to do in one boot.

@@ -26,6 +26,7 @@ pub mod l1;
 pub mod layout;
 pub mod nccl;
 pub mod node;
+pub mod symbols;
 
 use serde::{Deserialize, Serialize};
 

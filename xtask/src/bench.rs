@@ -161,7 +161,46 @@ fn print_exit_reasons(name: &str, mine: &[&VmResult]) {
         top(median_by_kind(reasons.iter().flat_map(|r| r.reasons())))
     );
     println!("xtask: bench: {name:<16} MSR accesses: {}", top(median_by_kind(reasons.iter().flat_map(|r| r.msrs()))));
+    println!(
+        "xtask: bench: {name:<16} CPUID leaf/subleaf: {}",
+        top(median_by_kind(reasons.iter().flat_map(|r| r.cpuid_leaves())))
+    );
 }
+
+/// How many exit sites the boot bench lists per VMM.
+const TOP_SITES: usize = 15;
+
+/// Prints where in the guest a VMM's exits came from: per reason and guest function (as L1
+/// named them, where the guest ran L1's kernel), the mean over its runs. Addresses below the
+/// kernel's text are told as firmware, unpaged entry code or user space by their range.
+fn print_exit_sites(name: &str, mine: &[&VmResult]) {
+    let reasons: Vec<&ExitReasons> = mine.iter().filter_map(|r| r.exit_reasons.as_ref()).collect();
+    let mut by_site: BTreeMap<(&str, &str), u64> = BTreeMap::new();
+    for r in &reasons {
+        for (reason, place, n) in r.sites() {
+            let addr = place.strip_prefix("0x").and_then(|a| u64::from_str_radix(a, 16).ok());
+            let place = match addr {
+                Some(a) if a < 1 << 20 => "below 1 MiB (real-mode firmware)",
+                Some(a) if a < 1 << 32 => "below 4 GiB, unpaged (firmware, the kernel's entry code)",
+                Some(a) if a < KERNEL_TEXT => "user space",
+                _ => place,
+            };
+            *by_site.entry((reason, place)).or_insert(0) += n;
+        }
+    }
+    if by_site.is_empty() {
+        return;
+    }
+    let mut sites: Vec<_> = by_site.into_iter().collect();
+    sites.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    println!("xtask: bench: {name:<16} exit sites (mean over {} runs; exits, reason, guest function):", reasons.len());
+    for ((reason, place), n) in sites.iter().take(TOP_SITES) {
+        println!("xtask: bench:   {:>7.0} {reason:<18} {place}", *n as f64 / reasons.len() as f64);
+    }
+}
+
+/// Where an x86-64 Linux kernel's text begins: an address below it is not the kernel's.
+const KERNEL_TEXT: u64 = 0xffff_ffff_8000_0000;
 
 /// Each kind's median count over the runs that reported it, the largest first.
 fn median_by_kind<'a>(counts: impl Iterator<Item = (&'a str, u64)>) -> Vec<(&'a str, f64)> {
@@ -214,6 +253,10 @@ pub async fn boot(runner: &Runner, rounds: usize, profile: bool) -> Result<()> {
             boot_figures(name, &mine)
         })
         .collect();
+    for (name, _) in CONTENDERS {
+        let mine: Vec<&VmResult> = results.iter().filter(|r| r.name.starts_with(&format!("{name} #"))).collect();
+        print_exit_sites(name, &mine);
+    }
     print_l1_incidents(&results);
     print_ratio("time", &figures, |f| f.time, "<= 0.7, goal 0.5");
     print_ratio("exits", &figures, |f| f.exits, "<= 0.5");
