@@ -1,6 +1,6 @@
 //! Loading the kernel, initramfs and command line, and writing the boot protocol
-//! structures: PVH `hvm_start_info` for a vmlinux with a PVH note, `boot_params` (zero page)
-//! for the 64-bit Linux boot protocol otherwise.
+//! structures: `boot_params` (zero page) for the 64-bit Linux boot protocol, or PVH
+//! `hvm_start_info` when asked to enter a vmlinux with a PVH note at its PVH entry.
 
 use std::fs::File;
 use std::io::Read;
@@ -65,9 +65,13 @@ pub enum BootError {
 /// How the boot CPU enters the kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EntryMode {
-    /// PVH: 32-bit protected mode, paging off, `rbx` = `hvm_start_info`.
+    /// PVH: 32-bit protected mode, paging off, `rbx` = `hvm_start_info`. Only on request
+    /// ([`VmConfig::pvh`]): Linux's PVH entry looks for Xen (`xen_prepare_pvh`) before
+    /// anything else, and that scan of all 256 hypervisor CPUID bases is one exit each,
+    /// 256 of a boot's few thousand.
     Pvh,
-    /// 64-bit Linux boot protocol: long mode, identity paging, `rsi` = `boot_params`.
+    /// 64-bit Linux boot protocol: long mode, identity paging, `rsi` = `boot_params`. The
+    /// default for a vmlinux (its ELF entry, `startup_64`) and the entry of a bzImage.
     Linux64,
 }
 
@@ -120,7 +124,7 @@ pub fn load(
     let e820 = layout::e820_map(config.memory);
 
     match kernel.pvh_boot_cap {
-        PvhBootCapability::PvhEntryPresent(entry) => {
+        PvhBootCapability::PvhEntryPresent(entry) if config.pvh => {
             write_pvh_start_info(mem, cmdline, initrd, rsdp, &e820)?;
             Ok(BootEntry { rip: entry.raw_value(), mode: EntryMode::Pvh })
         }
@@ -322,6 +326,7 @@ mod tests {
         std::fs::File::create(&path).unwrap().write_all(kernel).unwrap();
         VmConfig {
             kernel: path,
+            pvh: true,
             initrd: None,
             cmdline: "console=ttyS0 quiet".into(),
             cpus: 1,
@@ -356,6 +361,17 @@ mod tests {
             .read_obj(GuestAddress(layout::PVH_MEMMAP_START + 2 * std::mem::size_of::<hvm_memmap_table_entry>() as u64))
             .unwrap();
         assert_eq!((ram.addr, ram.size, ram.type_), (MIB, 63 * MIB, 1));
+    }
+
+    #[test]
+    fn test_pvh_vmlinux_takes_the_64bit_entry_unless_pvh_is_asked_for() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = mem(64 * MIB);
+        let cfg = VmConfig { pvh: false, ..config(&dir, &tiny_elf(true)) };
+        let entry = load(&m, &cfg, None, layout::ACPI_START, &mut phases()).unwrap();
+        assert_eq!(entry, BootEntry { rip: 16 * MIB + 0x1000, mode: EntryMode::Linux64 });
+        let params: boot_params = m.read_obj(GuestAddress(layout::ZERO_PAGE_START)).unwrap();
+        assert_eq!({ params.acpi_rsdp_addr }, layout::ACPI_START);
     }
 
     #[test]

@@ -70,6 +70,9 @@ pub enum ConfigError {
 pub struct VmConfig {
     /// vmlinux (ELF, PVH or 64-bit entry) or bzImage.
     pub kernel: PathBuf,
+    /// Enter a vmlinux with a PVH note at its PVH entry, as QEMU does, rather than at its
+    /// 64-bit Linux entry (see [`crate::boot::EntryMode`]).
+    pub pvh: bool,
     /// Initramfs (cpio, optionally compressed); the VMM appends its expectations to it.
     pub initrd: Option<PathBuf>,
     /// Kernel command line.
@@ -153,6 +156,7 @@ mod tests {
         std::fs::write(&kernel, b"x").unwrap();
         let mut cfg = VmConfig {
             kernel,
+            pvh: false,
             initrd: None,
             cmdline: String::new(),
             cpus: 1,
