@@ -31,7 +31,7 @@ pub use recipe::{KernelPackage, Modules, Package, Recipe};
 pub use repin::{repin, Repinned};
 
 /// Bumped when the layout of built images changes, so old cache entries are rebuilt.
-const IMAGE_FORMAT: &str = "gdrvm-image-v1";
+const IMAGE_FORMAT: &str = "gdrvm-image-v2";
 
 /// Errors building an image; each names the file or package at fault.
 #[derive(Debug, thiserror::Error)]
@@ -463,7 +463,12 @@ pub fn build_custom(
     }
     for applet in busybox_applets(&busybox)? {
         // A packaged tool (pciutils' lspci) wins over busybox's applet of the same name.
-        if applet != "bin/busybox" && applet != "linuxrc" && !package_files.contains(&applet) {
+        // No modprobe where the kernel runs it ([`KERNEL_MODPROBE`]).
+        if applet != "bin/busybox"
+            && applet != "linuxrc"
+            && applet != KERNEL_MODPROBE
+            && !package_files.contains(&applet)
+        {
             fs.symlink(&applet, "/bin/busybox");
         }
     }
@@ -534,6 +539,15 @@ fn add_from_package(
     fs.file(path, Source::Host(host), mode);
     Ok(())
 }
+
+/// Where the kernel starts modprobe for its own module requests (Debian's
+/// `CONFIG_MODPROBE_PATH`). The image leaves it out: busybox's modprobe cannot load this
+/// image's modules (they sit flat in `/lib/modules`, with no `modules.dep`), and the agent
+/// loads every module itself, dependencies and run-time requests included. With it, each
+/// request still started a process that failed: the crypto self-tests ask for about six at
+/// boot, and each costs tens of milliseconds, and hundreds of exits, when nested. Without
+/// it, a request fails at once.
+const KERNEL_MODPROBE: &str = "sbin/modprobe";
 
 /// The applet paths busybox installs (`busybox --list-full`: `bin/sh`, `sbin/poweroff`...).
 fn busybox_applets(busybox: &Path) -> Result<Vec<String>, ImageError> {
