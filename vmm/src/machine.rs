@@ -214,7 +214,7 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
         exits: Arc::new(Mutex::new(ExitTally::default())),
     };
 
-    let vcpus = create_vcpus(&supported_cpuid, &vm, &cpus, entry)?;
+    let vcpus = create_vcpus(&supported_cpuid, vcpu::mcg_cap(&kvm_sys), &vm, &cpus, entry)?;
     phases.mark("vCPUs");
     let pins = cpus.iter().map(|place| placement.cpus(place.socket).map(<[usize]>::to_vec)).collect();
     let mut threads = VcpuThreads::start(vcpus, pins, &ctx)?;
@@ -296,6 +296,7 @@ fn load_guest(
 /// (APIC id 0) is the boot CPU.
 fn create_vcpus(
     base_cpuid: &CpuId,
+    mcg_cap: Option<u64>,
     vm: &VmFd,
     cpus: &[CpuPlace],
     entry: boot::BootEntry,
@@ -304,7 +305,7 @@ fn create_vcpus(
     for (id, place) in (0u32..).zip(cpus) {
         let fd = vm.create_vcpu(u64::from(place.apic_id)).map_err(kvm("create a vCPU"))?;
         let boot = (id == 0).then_some(entry);
-        vcpu::configure(&fd, id, &vcpu::cpuid_for(base_cpuid, place), boot)?;
+        vcpu::configure(&fd, id, &vcpu::cpuid_for(base_cpuid, place), mcg_cap, boot)?;
         vcpus.push(fd);
     }
     Ok(vcpus)
