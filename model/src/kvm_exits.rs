@@ -236,8 +236,9 @@ fn msr_name(msr: u64) -> &'static str {
     }
 }
 
-/// Where an x86-64 kernel's text is mapped: its physical address plus this.
-const KERNEL_MAP: u64 = 0xffff_ffff_8000_0000;
+/// Where an x86-64 kernel's text is mapped: its physical address plus this. No kernel text
+/// lies below it.
+pub const KERNEL_MAP: u64 = 0xffff_ffff_8000_0000;
 /// The physical range a kernel loaded at its link address (16 MiB) occupies.
 const KERNEL_PHYS: u64 = 16 << 20;
 const KERNEL_PHYS_END: u64 = 1 << 30;

@@ -19,7 +19,7 @@ use anyhow::{bail, Result};
 use std::collections::BTreeMap;
 
 use gdrvm_harness::{Artifacts, ClusterSpec, GdrvmStats, QemuMachine, Runner, VmResult, VmSpec, Vmm};
-use gdrvm_model::kvm_exits::{ExitReasons, KvmExits};
+use gdrvm_model::kvm_exits::{ExitReasons, KvmExits, KERNEL_MAP};
 
 /// The VMMs compared, in the order each round runs them.
 const CONTENDERS: [(&str, Vmm); 3] = [
@@ -171,8 +171,8 @@ fn print_exit_reasons(name: &str, mine: &[&VmResult]) {
 const TOP_SITES: usize = 15;
 
 /// Prints where in the guest a VMM's exits came from: per reason and guest function (as L1
-/// named them, where the guest ran L1's kernel), the mean over its runs. Addresses below the
-/// kernel's text are told as firmware, unpaged entry code or user space by their range.
+/// named them, where the guest ran L1's kernel), the mean over its runs. Addresses L1 could
+/// not name are told as firmware or user space by their range.
 fn print_exit_sites(name: &str, mine: &[&VmResult]) {
     let reasons: Vec<&ExitReasons> = mine.iter().filter_map(|r| r.exit_reasons.as_ref()).collect();
     let mut by_site: BTreeMap<(&str, &str), u64> = BTreeMap::new();
@@ -181,8 +181,8 @@ fn print_exit_sites(name: &str, mine: &[&VmResult]) {
             let addr = place.strip_prefix("0x").and_then(|a| u64::from_str_radix(a, 16).ok());
             let place = match addr {
                 Some(a) if a < 1 << 20 => "below 1 MiB (real-mode firmware)",
-                Some(a) if a < 1 << 32 => "below 4 GiB, unpaged (firmware, the kernel's entry code)",
-                Some(a) if a < KERNEL_TEXT => "user space",
+                Some(a) if a < 1 << 32 => "below 4 GiB (firmware, or a non-PIE user program)",
+                Some(a) if a < KERNEL_MAP => "user space",
                 _ => place,
             };
             *by_site.entry((reason, place)).or_insert(0) += n;
@@ -198,9 +198,6 @@ fn print_exit_sites(name: &str, mine: &[&VmResult]) {
         println!("xtask: bench:   {:>7.0} {reason:<18} {place}", *n as f64 / reasons.len() as f64);
     }
 }
-
-/// Where an x86-64 Linux kernel's text begins: an address below it is not the kernel's.
-const KERNEL_TEXT: u64 = 0xffff_ffff_8000_0000;
 
 /// Each kind's median count over the runs that reported it, the largest first.
 fn median_by_kind<'a>(counts: impl Iterator<Item = (&'a str, u64)>) -> Vec<(&'a str, f64)> {
