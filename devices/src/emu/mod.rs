@@ -4,6 +4,9 @@
 //! An emulated function presents exactly the configuration space the VMM shows for the
 //! endpoint ([`ConfigSpace::for_function`]), its register BAR (BAR 0, trapped, registers at
 //! [`emulated::REGS`]) and every other BAR as memory (a sparse memfd the client maps). The
+//! configuration space is offered for mmap too, as a size-sealed memfd rewritten before each
+//! write's reply: the VMM reads it without a round trip (a guest's PCI scan reads each
+//! function about a hundred times); writes still go by message, so the device sees them. The
 //! register contract is [`gdrvm_model::emulated`]; the part both devices share (identity,
 //! kind, version, scratch, interrupt doorbell and count) is here, the rest in [`gpu`] and
 //! [`nic`].
@@ -26,7 +29,7 @@ use std::collections::HashSet;
 use std::ffi::CString;
 use std::fs::File;
 use std::io;
-use std::os::fd::FromRawFd;
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::fs::{FileExt, FileTypeExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -95,6 +98,13 @@ pub enum EmuError {
     BarMemory {
         /// The BAR index.
         bar: u8,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// The memory the client reads the configuration space from could not be created.
+    #[error("cannot create the configuration space's shared image")]
+    ConfigImage {
         /// Why.
         #[source]
         source: io::Error,
@@ -265,6 +275,9 @@ pub struct Emulated<R> {
     name: String,
     ident: u32,
     config: ConfigSpace,
+    /// `config` as the client reads it: a memfd rewritten after every change, which the
+    /// client maps read-only, so a configuration read costs it no round trip.
+    config_image: Arc<File>,
     power_on: ConfigSpace,
     bars: Vec<BarMemory>,
     scratch: u32,
@@ -308,17 +321,20 @@ impl<R: Registers> Emulated<R> {
         let common = Arc::new(Common::new(irqs, vectors));
         let regs = regs(f, &common)?;
         let config = ConfigSpace::for_function(node, i);
+        let image = memfd(&format!("gdrvm-{}-config", f.name), CONFIG_SPACE_SIZE as u64)
+            .map_err(|source| EmuError::ConfigImage { source })?;
         let mut device = Emulated {
             name: f.name.clone(),
             ident: (u32::from(f.device) << 16) | u32::from(f.vendor),
             power_on: config.clone(),
             config,
+            config_image: Arc::new(image),
             bars,
             scratch: 0,
             common,
             regs,
         };
-        device.update_command();
+        device.config_changed();
         Ok(device)
     }
 
@@ -341,7 +357,12 @@ impl<R: Registers> Emulated<R> {
     /// function lacks and the expansion ROM.
     pub fn region_info(&self, index: u32) -> Option<ServerRegion> {
         if index == CONFIG_REGION {
-            return Some(ServerRegion { size: CONFIG_SPACE_SIZE as u64, readable: true, writable: true, mmap: None });
+            return Some(ServerRegion {
+                size: CONFIG_SPACE_SIZE as u64,
+                readable: true,
+                writable: true,
+                mmap: Some((self.config_image.clone(), 0)),
+            });
         }
         let bar = self.bar(index)?;
         Some(ServerRegion {
@@ -394,7 +415,7 @@ impl<R: Registers> Emulated<R> {
     pub fn region_write(&mut self, index: u32, offset: u64, data: &[u8]) {
         if index == CONFIG_REGION {
             self.config.write(usize::try_from(offset).unwrap_or(usize::MAX), data);
-            self.update_command();
+            self.config_changed();
             return;
         }
         let Some((size, file)) = self.bar(index).map(|b| (b.size, b.file.clone())) else {
@@ -423,7 +444,7 @@ impl<R: Registers> Emulated<R> {
         self.scratch = 0;
         self.common.irq_count.store(0, Ordering::Relaxed);
         self.config = self.power_on.clone();
-        self.update_command();
+        self.config_changed();
     }
 
     fn bar(&self, index: u32) -> Option<&BarMemory> {
@@ -436,12 +457,17 @@ impl<R: Registers> Emulated<R> {
         }
     }
 
-    /// Mirrors the Command register's bus-master bit for the DMA engine.
-    fn update_command(&mut self) {
+    /// After the configuration space changed: mirrors the Command register's bus-master
+    /// bit for the DMA engine and rewrites the client's image. The image is written before
+    /// the write's reply goes out, so a client that waited for the reply reads the new bytes.
+    fn config_changed(&mut self) {
         let mut command = [0; 2];
         self.config.read(PCI_COMMAND, &mut command);
         let on = u16::from_le_bytes(command) & PCI_COMMAND_MASTER != 0;
         self.common.bus_master.store(on, Ordering::Release);
+        if let Err(e) = self.config_image.write_all_at(self.config.bytes(), 0) {
+            warn!(function = %self.name, error = %e, "the configuration image could not be rewritten");
+        }
     }
 
     /// Reads of BAR 0: registers, 0 elsewhere (the MSI-X table, which the VMM answers
@@ -540,18 +566,24 @@ fn fits(offset: u64, len: usize, size: u64) -> bool {
     offset.checked_add(len as u64).is_some_and(|end| end <= size)
 }
 
-/// A memfd of `size` bytes: sparse, so a 128 GiB BAR costs nothing until touched.
+/// A memfd of `size` bytes: sparse, so a 128 GiB BAR costs nothing until touched. Its size
+/// is sealed: a client that maps it can never touch a page past its end (SIGBUS).
 fn memfd(name: &str, size: u64) -> io::Result<File> {
     let name = CString::new(name).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
     // SAFETY: `name` is NUL-terminated and outlives the call, which only reads it; the
     // returned descriptor is checked before use.
-    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
     // SAFETY: `fd` is a fresh descriptor nothing else owns; the File closes it.
     let file = unsafe { File::from_raw_fd(fd) };
     file.set_len(size)?;
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    // SAFETY: F_ADD_SEALS takes an int and touches no memory of ours; `file` is open.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
     Ok(file)
 }
 
@@ -865,6 +897,29 @@ mod tests {
         // Beyond the space: all-ones.
         d.region_read(CONFIG_REGION, u64::MAX - 1, &mut b);
         assert_eq!(b, [0xff; 2]);
+    }
+
+    #[test]
+    fn test_config_image_follows_writes_and_resets_and_cannot_shrink() {
+        let mut d = gpu();
+        let (file, offset) = d.region_info(CONFIG_REGION).unwrap().mmap.unwrap();
+        assert_eq!((offset, file.metadata().unwrap().len()), (0, CONFIG_SPACE_SIZE as u64));
+        let image = |file: &File| {
+            let mut b = vec![0; CONFIG_SPACE_SIZE];
+            file.read_exact_at(&mut b, 0).unwrap();
+            b
+        };
+        let power_on = image(&file);
+        let mut direct = vec![0; CONFIG_SPACE_SIZE];
+        d.region_read(CONFIG_REGION, 0, &mut direct);
+        assert_eq!(power_on, direct);
+        d.region_write(CONFIG_REGION, PCI_COMMAND as u64, &[0x06, 0]);
+        assert_eq!(image(&file)[PCI_COMMAND], 0x06);
+        d.reset_device();
+        assert_eq!(image(&file), power_on);
+        // Its size is sealed: a client's mapping can never reach past the end.
+        assert!(file.set_len(0).is_err());
+        assert!(file.set_len(2 * CONFIG_SPACE_SIZE as u64).is_err());
     }
 
     #[test]

@@ -17,6 +17,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use vfio_bindings::bindings::vfio::VFIO_PCI_CONFIG_REGION_INDEX;
+use vm_memory::mmap::MmapRegion;
+use vm_memory::{FileOffset, VolatileMemory};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::protocol::*;
@@ -163,6 +165,9 @@ pub struct UserConnection {
     name: String,
     io: Mutex<Io>,
     failed: AtomicBool,
+    /// A posted write went out after the last reply came in: until the next reply, the
+    /// server may not have done it yet.
+    posted: AtomicBool,
     timeout_ns: AtomicU64,
     /// The most region data per message: the server's limit and ours.
     max_xfer: usize,
@@ -223,6 +228,7 @@ impl UserConnection {
             name: name.to_string(),
             io: Mutex::new(Io { stream, next_id: 0 }),
             failed: AtomicBool::new(false),
+            posted: AtomicBool::new(false),
             timeout_ns: AtomicU64::new(0),
             max_xfer: MAX_DATA_XFER,
             max_fds: MAX_FDS,
@@ -318,6 +324,8 @@ impl UserConnection {
                 tracing::debug!(device = self.name, msg_id = m.header.msg_id, "vfio-user reply to no request dropped");
                 continue;
             }
+            // The server answers in order: every write posted before this request is done.
+            self.posted.store(false, Ordering::Release);
             if m.header.is_error() {
                 let errno = i32::try_from(m.header.error_no).unwrap_or(libc::EIO);
                 let source = io::Error::from_raw_os_error(errno);
@@ -426,7 +434,10 @@ impl UserConnection {
         let timeout = self.timeout();
         header.flags |= FLAG_NO_REPLY;
         match transport::send(&io.stream, &header, payload, &[], Some(Instant::now() + timeout)) {
-            Ok(()) => Ok(()),
+            Ok(()) => {
+                self.posted.store(true, Ordering::Release);
+                Ok(())
+            }
             Err(e) => Err(self.broken(&io, command, e, timeout)),
         }
     }
@@ -456,12 +467,55 @@ impl Drop for UserConnection {
     }
 }
 
+/// A server's configuration space mapped read-only into the VMM, when the server offers
+/// it for mmap (gdrvm's emulators do; the vfio-user protocol allows it for any region):
+/// a configuration read then costs a copy, not a round trip to another process.
+///
+/// Only a file whose size is sealed (`F_SEAL_SHRINK`) is mapped: a server that could shrink
+/// it could make a read fault (SIGBUS) in the VMM.
+struct SharedConfig {
+    map: MmapRegion<()>,
+}
+
+impl SharedConfig {
+    /// Maps `size` bytes of `file` at `offset`, or says why not.
+    fn map(file: Arc<File>, offset: u64, size: u64) -> Result<Self, String> {
+        // SAFETY: F_GET_SEALS takes no argument and touches no memory of ours; `file` is open.
+        let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+            return Err("its file's size is not sealed against shrinking".into());
+        }
+        let len = file.metadata().map_err(|e| format!("its file cannot be inspected: {e}"))?.len();
+        if offset.checked_add(size).is_none_or(|end| end > len) {
+            return Err(format!("{size:#x} bytes at {offset:#x} run past the end of its file ({len:#x} bytes)"));
+        }
+        let size = usize::try_from(size).map_err(|_| "it is too large".to_string())?;
+        let map = MmapRegion::build(Some(FileOffset::from_arc(file, offset)), size, libc::PROT_READ, libc::MAP_SHARED)
+            .map_err(|e| format!("mmap failed: {e}"))?;
+        Ok(SharedConfig { map })
+    }
+
+    /// Copies `data.len()` bytes at `offset`; false if they are not all inside.
+    fn read(&self, offset: u64, data: &mut [u8]) -> bool {
+        let Ok(offset) = usize::try_from(offset) else { return false };
+        match self.map.get_slice(offset, data.len()) {
+            Ok(slice) => {
+                slice.copy_to(data);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+}
+
 /// The device behind a [`UserConnection`], as the VFIO passthrough layer drives it. The
 /// region table, interrupt counts and reset flag are read once, at open.
 pub struct UserDeviceOps {
     conn: Arc<UserConnection>,
     /// By region index, BAR0 to the configuration space.
     regions: Vec<Option<RegionInfo>>,
+    /// The configuration space, when the server shares it.
+    shared_config: Option<SharedConfig>,
     /// INTx, MSI, MSI-X vectors.
     irqs: [u32; 3],
     can_reset: bool,
@@ -499,7 +553,19 @@ impl UserDeviceOps {
             }
         }
         let can_reset = info.flags & DEVICE_FLAGS_RESET != 0;
-        Ok(UserDeviceOps { conn, regions, irqs, can_reset })
+        let config = regions.get(VFIO_PCI_CONFIG_REGION_INDEX as usize).and_then(Option::as_ref);
+        let shared_config = config.filter(|r| r.readable).and_then(|r| {
+            let file = r.mmap_fd.clone()?;
+            SharedConfig::map(file, r.offset, r.size)
+                .inspect_err(|why| {
+                    tracing::warn!(
+                        device = conn.name,
+                        "vfio-user configuration space not mapped: {why}; reads go by message"
+                    )
+                })
+                .ok()
+        });
+        Ok(UserDeviceOps { conn, regions, shared_config, irqs, can_reset })
     }
 
     /// The connection.
@@ -522,8 +588,19 @@ impl VfioDeviceOps for UserDeviceOps {
         self.regions.get(index as usize).cloned().flatten()
     }
 
+    /// A configuration read comes from the shared image when the server shares one and no
+    /// posted write is outstanding (a read must not pass a posted write, as on PCIe); by
+    /// message otherwise.
     fn read(&self, index: u32, offset: u64, data: &mut [u8]) -> io::Result<()> {
         self.check(index, offset, data.len())?;
+        if index == VFIO_PCI_CONFIG_REGION_INDEX && !self.conn.posted.load(Ordering::Acquire) && !self.conn.is_failed()
+        {
+            if let Some(shared) = &self.shared_config {
+                if shared.read(offset, data) {
+                    return Ok(());
+                }
+            }
+        }
         self.conn.region_read(index, offset, data).map_err(io::Error::other)
     }
 
@@ -672,6 +749,89 @@ mod tests {
         (UserConnection::new("nic0", client, timeout).unwrap(), handle)
     }
 
+    /// The emulated GPU of preset minimal, counting the configuration reads that reach it.
+    struct CountingGpu {
+        gpu: crate::emu::EmulatedGpu,
+        config_reads: Arc<AtomicU64>,
+    }
+
+    impl crate::vfio_user::UserDevice for CountingGpu {
+        fn region(&self, index: u32) -> Option<crate::vfio_user::ServerRegion> {
+            self.gpu.region(index)
+        }
+        fn irq_count(&self, index: u32) -> u32 {
+            self.gpu.irq_count(index)
+        }
+        fn read(&mut self, index: u32, offset: u64, data: &mut [u8]) -> io::Result<()> {
+            if index == VFIO_PCI_CONFIG_REGION_INDEX {
+                self.config_reads.fetch_add(1, Ordering::Relaxed);
+            }
+            self.gpu.read(index, offset, data)
+        }
+        fn write(&mut self, index: u32, offset: u64, data: &[u8]) -> io::Result<()> {
+            self.gpu.write(index, offset, data)
+        }
+        fn reset(&mut self) {
+            self.gpu.reset()
+        }
+    }
+
+    #[test]
+    fn test_shared_configuration_space_is_read_without_a_message() {
+        let node = gdrvm_model::node::Node::preset("minimal").unwrap().unwrap();
+        let i = node.functions.iter().position(|f| f.name == "gpu0").unwrap();
+        let irqs = Arc::new(Interrupts::new());
+        let gpu = crate::emu::EmulatedGpu::new("preset minimal", &node, i, irqs.clone()).unwrap();
+        let config_reads = Arc::new(AtomicU64::new(0));
+        let mut device = CountingGpu { gpu, config_reads: config_reads.clone() };
+        let (client, server) = UnixStream::pair().unwrap();
+        let dma = Arc::new(DmaMemory::new());
+        let server = std::thread::spawn(move || serve(server, &mut device, &dma, &irqs));
+        let conn = UserConnection::new("gpu0", client, DEFAULT_TIMEOUT).unwrap();
+        let ops = UserDeviceOps::new(conn.clone()).unwrap();
+        assert!(ops.shared_config.is_some());
+        let read16 = |at: u64| {
+            let mut b = [0; 2];
+            ops.read(VFIO_PCI_CONFIG_REGION_INDEX, at, &mut b).unwrap();
+            u16::from_le_bytes(b)
+        };
+        assert_eq!(read16(0), 0x10de);
+        let command = read16(4);
+        // A configuration write waits for its reply, so the next read sees it.
+        ops.write(VFIO_PCI_CONFIG_REGION_INDEX, 4, &[0x06, 0]).unwrap();
+        assert_eq!(read16(4), 0x06);
+        assert_ne!(command, 0x06);
+        assert_eq!(config_reads.load(Ordering::Relaxed), 0, "a shared configuration read went by message");
+        // After a posted BAR write, the next read goes behind it, by message; then the
+        // image again.
+        ops.write(0, 0x10, &[0; 4]).unwrap();
+        assert!(conn.posted.load(Ordering::Acquire));
+        assert_eq!(read16(0), 0x10de);
+        assert_eq!(config_reads.load(Ordering::Relaxed), 1);
+        assert!(!conn.posted.load(Ordering::Acquire));
+        assert_eq!(read16(2), node.functions[i].device);
+        assert_eq!(config_reads.load(Ordering::Relaxed), 1);
+        // A reset restores the image too.
+        ops.reset().unwrap();
+        assert_eq!(read16(4), command);
+        drop(ops);
+        drop(conn);
+        server.join().unwrap().unwrap();
+    }
+
+    #[test]
+    fn test_configuration_space_in_an_unsealed_file_is_not_mapped() {
+        let file = Arc::new(memfd("config", 4096));
+        let why = SharedConfig::map(file.clone(), 0, 4096).err().unwrap();
+        assert!(why.contains("not sealed"), "{why}");
+        // SAFETY: F_ADD_SEALS takes an int; `file` is open. (The test memfd has no
+        // MFD_ALLOW_SEALING, so this fails and the file stays unsealed.)
+        assert!(unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) } < 0);
+        // The plain test device offers no mapping at all: reads go by message.
+        let s = served();
+        assert!(UserDeviceOps::new(s.conn.clone()).unwrap().shared_config.is_none());
+    }
+
     #[test]
     fn test_handshake_and_region_table() {
         let s = served();
@@ -817,7 +977,7 @@ mod tests {
             },
             DEFAULT_TIMEOUT,
         );
-        let ops = UserDeviceOps { conn, regions: Vec::new(), irqs: [0, 0, 5], can_reset: false };
+        let ops = UserDeviceOps { conn, regions: Vec::new(), shared_config: None, irqs: [0, 0, 5], can_reset: false };
         let fds: Vec<EventFd> = (0..5).map(|_| EventFd::new(0).unwrap()).collect();
         ops.enable_irq(IrqKind::Msix, &fds.iter().collect::<Vec<_>>()).unwrap();
         assert_eq!(*lock(&seen), [(0, 2, 2), (2, 2, 2), (4, 1, 1)]);
