@@ -125,6 +125,9 @@ pub struct GdrvmStats {
     /// Guest configuration writes passed-through devices' firewalls dropped.
     #[serde(default)]
     pub dropped_config_writes: u64,
+    /// Port writes KVM kept in its coalesced ring (no exit), applied at later exits.
+    #[serde(default)]
+    pub coalesced_writes: u64,
     /// Exits the VMM served, to the end of the run.
     #[serde(default)]
     pub vmm_exits: u64,

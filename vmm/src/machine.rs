@@ -25,6 +25,7 @@ use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 
+use crate::coalesced::{CoalescedRing, Zone};
 use crate::config::{ConfigError, VmConfig};
 use crate::console::{EscapeFilter, InputAction, RawTerminal};
 use crate::cpu_topology::CpuPlace;
@@ -153,6 +154,9 @@ pub struct RunReport {
     pub unclaimed_mmio: u64,
     /// Guest configuration writes the passed-through devices' firewalls dropped.
     pub dropped_config_writes: u64,
+    /// Port writes KVM kept in its coalesced ring instead of exiting (the PCI address
+    /// register), applied by the VMM at a later exit.
+    pub coalesced_writes: u64,
 }
 
 /// Console wiring for a run.
@@ -206,15 +210,24 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
         drained.try_clone().map_err(host("clone an eventfd"))?,
         console.output,
     )));
+    let vcpus = create_vcpus(&supported_cpuid, vcpu::mcg_cap(&kvm_sys), &vm, &cpus, entry)?;
+    let coalesced = match vcpus.first() {
+        Some(first) => CoalescedRing::new(&kvm_sys, &vm, first, &COALESCED_ZONES)
+            .unwrap_or_else(|e| {
+                tracing::warn!("{e}: PCI address writes exit to the VMM");
+                None
+            })
+            .map(Arc::new),
+        None => None,
+    };
     let ctx = ExitContext {
         pio: Arc::new(port_io_bus(&signal, serial.clone(), &pci)?),
         mmio,
+        coalesced,
         signal: signal.clone(),
         stop: Arc::new(AtomicBool::new(false)),
         exits: Arc::new(Mutex::new(ExitTally::default())),
     };
-
-    let vcpus = create_vcpus(&supported_cpuid, vcpu::mcg_cap(&kvm_sys), &vm, &cpus, entry)?;
     phases.mark("vCPUs");
     let pins = cpus.iter().map(|place| placement.cpus(place.socket).map(<[usize]>::to_vec)).collect();
     let mut threads = VcpuThreads::start(vcpus, pins, &ctx)?;
@@ -251,6 +264,7 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
         exits,
         rss_beyond_guest_kib: rss_beyond_guest_kib(),
         unclaimed_mmio: ctx.mmio.unclaimed(),
+        coalesced_writes: ctx.coalesced.as_ref().map_or(0, |ring| ring.applied()),
         dropped_config_writes: devices.dropped_config_writes(),
     })
 }
@@ -398,6 +412,11 @@ fn wire_devices(
     devices.start(&config.node, &pci);
     Ok((pci, devices))
 }
+
+/// Port writes KVM keeps in its ring instead of exiting: the type-1 address register. Its
+/// data window (0xcfc) is read and written through it, so every access still reaches the
+/// VMM once, and the VMM applies the ring before it serves any exit.
+const COALESCED_ZONES: [Zone; 1] = [Zone { port: CONFIG_IO_PORT, len: 4 }];
 
 fn port_io_bus(
     signal: &Arc<GuestExitSignal>,
