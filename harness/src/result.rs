@@ -120,6 +120,9 @@ pub struct GdrvmStats {
     /// That time by phase, in order: name and µs.
     #[serde(default)]
     pub phases: Vec<(String, u64)>,
+    /// Process start to every device in place, in µs (devices attach beside the boot).
+    #[serde(default)]
+    pub devices_ready_us: Option<u64>,
     /// Resident memory beyond guest RAM, in KiB.
     pub rss_beyond_guest_kib: Option<u64>,
     /// Guest configuration writes passed-through devices' firewalls dropped.

@@ -6,6 +6,7 @@
 //! Hypervisor's and crosvm's PCI buses are tied to their own device managers.
 
 mod function;
+mod gate;
 
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
@@ -13,6 +14,7 @@ use gdrvm_devices::{lock, BusDevice, ConfigWriteEffects};
 use gdrvm_model::node::Node;
 
 pub use function::{Backend, PciFunction};
+pub use gate::AttachGate;
 pub use gdrvm_devices::{ConfigSpace, ACS_CAPABILITIES, CONFIG_SPACE_SIZE};
 
 /// Applies what a configuration write meant (BARs moved, decode switched, MSI-X enabled)
@@ -35,6 +37,9 @@ pub struct PciSegment {
     /// Index into `functions` for each `bus << 8 | device << 3 | function`.
     index: Box<[u16; 65536]>,
     functions: Vec<Mutex<PciFunction>>,
+    /// By function: whether the guest's accesses wait at `gate` (its device attaches later).
+    held: Vec<bool>,
+    gate: AttachGate,
     /// Weak: the sink (the device wiring) reaches the segment's buses; its owner keeps it.
     effects: OnceLock<Weak<dyn ApplyEffects>>,
 }
@@ -48,12 +53,40 @@ impl PciSegment {
 
     /// The segment holding `functions`, one per function of `node`, in the node's order.
     pub fn with_functions(node: &Node, functions: Vec<PciFunction>) -> Self {
+        let held = vec![false; functions.len()];
+        PciSegment::build(node, functions, held, AttachGate::opened())
+    }
+
+    /// The segment of `node` with every function hollow, and the guest's accesses to those
+    /// `held` says will have a device waiting until [`PciSegment::attached`].
+    pub fn attaching(node: &Node, held: impl Fn(usize) -> bool) -> Self {
+        let functions = (0..node.functions.len()).map(|i| PciFunction::hollow(ConfigSpace::for_function(node, i)));
+        let held = (0..node.functions.len()).map(held).collect();
+        PciSegment::build(node, functions.collect(), held, AttachGate::closed())
+    }
+
+    fn build(node: &Node, functions: Vec<PciFunction>, held: Vec<bool>, gate: AttachGate) -> Self {
         let mut index = Box::new([ABSENT; 65536]);
         for (i, f) in node.functions.iter().enumerate() {
             let slot = usize::from(f.bdf.bus) << 8 | usize::from(f.bdf.device) << 3 | usize::from(f.bdf.function);
             index[slot] = i as u16;
         }
-        PciSegment { index, functions: functions.into_iter().map(Mutex::new).collect(), effects: OnceLock::new() }
+        let functions = functions.into_iter().map(Mutex::new).collect();
+        PciSegment { index, functions, held, gate, effects: OnceLock::new() }
+    }
+
+    /// Puts `function` (with its device) in place of function `i`.
+    pub fn install(&self, i: usize, function: PciFunction) {
+        match self.functions.get(i) {
+            Some(f) => *lock(f) = function,
+            None => tracing::error!(i, "no function {i} in the PCI segment to install a device at"),
+        }
+    }
+
+    /// Lets the guest's held accesses through: every device is in place, or attaching has
+    /// been given up.
+    pub fn attached(&self) {
+        self.gate.open();
     }
 
     /// Sends the effects of configuration writes to `sink` from now on (set once), for
@@ -74,17 +107,37 @@ impl PciSegment {
         self.functions.get(i)
     }
 
-    /// Reads configuration space; an absent function reads as all-ones (no vendor).
+    /// Waits, if function `i`'s device is still attaching.
+    fn hold(&self, i: usize) {
+        if self.held.get(i).copied().unwrap_or(false) {
+            self.gate.wait();
+        }
+    }
+
+    /// Reads configuration space as the guest does; an absent function reads as all-ones
+    /// (no vendor).
     pub fn read(&self, bus: u8, devfn: u8, offset: usize, data: &mut [u8]) {
         match self.find(bus, devfn) {
-            Some((_, f)) => lock(f).read(offset, data),
+            Some((i, f)) => {
+                self.hold(i);
+                lock(f).read(offset, data)
+            }
             None => data.fill(0xff),
         }
     }
 
-    /// Writes configuration space (writes to absent functions are dropped), then applies
-    /// what the write meant, with the function's lock released.
+    /// Writes configuration space as the guest does (writes to absent functions are
+    /// dropped), then applies what the write meant, with the function's lock released.
     pub fn write(&self, bus: u8, devfn: u8, offset: usize, data: &[u8]) {
+        if let Some((i, _)) = self.find(bus, devfn) {
+            self.hold(i);
+        }
+        self.firmware_write(bus, devfn, offset, data);
+    }
+
+    /// Writes configuration space as firmware does before the guest may reach the
+    /// function: never held.
+    pub fn firmware_write(&self, bus: u8, devfn: u8, offset: usize, data: &[u8]) {
         let Some((i, f)) = self.find(bus, devfn) else { return };
         let effects = lock(f).write(offset, data);
         if !effects.is_empty() {

@@ -233,3 +233,29 @@ fn test_acs_control_as_the_node_sets_it() {
     let ctrl = find_ext_capability(&mut e, 0, 1, PCI_EXT_CAP_ID_ACS) + PCI_ACS_CTRL;
     assert_eq!(read16(&mut e, ecam(0, 1, 0, ctrl)), 0);
 }
+
+/// A function whose device attaches later holds the guest's accesses until the segment is
+/// told the devices are in place, and then answers with the installed function; the other
+/// functions and firmware's writes are never held.
+#[test]
+fn test_held_function_answers_only_once_its_device_is_installed() {
+    let node = minimal();
+    let gpu = node.functions.iter().position(|f| f.name == "gpu0").unwrap();
+    let nic = node.functions.iter().position(|f| f.name == "nic0").unwrap();
+    let pci = Arc::new(PciSegment::attaching(&node, |i| i == gpu));
+    let mut e = Ecam(pci.clone());
+    assert_eq!(read32(&mut e, ecam(0, 1, 0, 0)), 0x000c_1b36, "the root port is not held");
+    let bdf = node.functions[gpu].bdf;
+    pci.firmware_write(bdf.bus, bdf.device << 3 | bdf.function, PCI_COMMAND, &[0, 0]);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let guest = {
+        let mut e = Ecam(pci.clone());
+        std::thread::spawn(move || tx.send(read32(&mut e, ecam(bdf.bus, bdf.device, bdf.function, 0))).unwrap())
+    };
+    assert!(rx.recv_timeout(std::time::Duration::from_millis(100)).is_err(), "the held read went through");
+    // Stands in for the device: the NIC's configuration space, told apart by its IDs.
+    pci.install(gpu, PciFunction::hollow(ConfigSpace::for_function(&node, nic)));
+    pci.attached();
+    assert_eq!(rx.recv_timeout(std::time::Duration::from_secs(5)).unwrap() & 0xffff, 0x15b3);
+    guest.join().unwrap();
+}
