@@ -150,6 +150,10 @@ pub struct RunReport {
     pub exits: ExitTally,
     /// Process start to every device in place (they attach beside the guest's boot).
     pub devices_ready: Option<Duration>,
+    /// Guest configuration accesses that waited for a device to be in place.
+    pub device_waits: u64,
+    /// How long they waited in all.
+    pub device_waited: Duration,
     /// Resident memory of the VMM beyond guest RAM (anonymous + file-backed), in KiB.
     pub rss_beyond_guest_kib: Option<u64>,
     /// MMIO accesses nothing claimed (unbacked BARs read as all-ones), counted, not fatal.
@@ -233,6 +237,9 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
     phases.mark("vCPUs");
     let pins = cpus.iter().map(|place| placement.cpus(place.socket).map(<[usize]>::to_vec)).collect();
     let mut threads = VcpuThreads::start(vcpus, pins, &ctx)?;
+    // Dropped before the threads on every path: a vCPU waiting for a device goes on, so
+    // the threads can be stopped.
+    let _held = ReleaseHeld(pci.clone());
 
     let _raw = if console.interactive { RawTerminal::enter(libc::STDIN_FILENO) } else { None };
     let supervisor = Supervisor {
@@ -249,6 +256,7 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
     let devices_ready = attaching.ready_at().map(|t| t.duration_since(started));
     // A vCPU still waiting for a device must go on to see the stop.
     pci.attached();
+    let (device_waits, device_waited) = pci.waited();
     let vcpu_errors = threads.stop_all();
     tracing::debug!("vCPUs stopped");
     let dropped_config_writes = attaching.finish(|devices| devices.dropped_config_writes())?;
@@ -269,6 +277,8 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
         status: signal.status(),
         setup: threads.first_run.get().map(|t| t.duration_since(started)),
         devices_ready,
+        device_waits,
+        device_waited,
         phases: phases.phases,
         exits,
         rss_beyond_guest_kib: rss_beyond_guest_kib(),
@@ -408,7 +418,7 @@ fn wire_devices(
         });
     }
     let node = &config.node;
-    let pci = Arc::new(PciSegment::attaching(node, |i| wiring::has_device(node, i)));
+    let pci = Arc::new(PciSegment::attaching(node, |i| wiring::hold(node, i)));
     mmio.insert(Arc::new(Mutex::new(Ecam(pci.clone()))), layout::ECAM_BASE, layout::ECAM_SIZE)?;
     let inputs = wiring::AttachInputs {
         node: node.clone(),
@@ -443,6 +453,15 @@ fn port_io_bus(
     let reset = Box::new(ResetRegister::new(signal.clone()));
     add(Arc::new(Mutex::new(ConfigIo::new(pci.clone(), reset))), CONFIG_IO_PORT, CONFIG_IO_LEN)?;
     Ok(pio)
+}
+
+/// Lets the guest's accesses held for devices through when dropped.
+struct ReleaseHeld(Arc<PciSegment>);
+
+impl Drop for ReleaseHeld {
+    fn drop(&mut self) {
+        self.0.attached();
+    }
 }
 
 extern "C" fn kick_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}

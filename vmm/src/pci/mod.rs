@@ -26,6 +26,21 @@ pub trait ApplyEffects: Send + Sync {
 
 /// No function at this bus/device/function.
 const ABSENT: u16 = u16::MAX;
+/// The read-only identity registers of a type-0 header: vendor and device ID, revision and
+/// class, header type.
+const IDENTITY: [std::ops::Range<usize>; 3] = [0x00..0x04, 0x08..0x0c, 0x0e..0x0f];
+
+/// Which of the guest's accesses to a function wait for its device while it attaches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hold {
+    /// None: the function has no device, or it is in place.
+    Nothing,
+    /// Every access: the device's identity is its own (a passed-through or external one).
+    Everything,
+    /// All but reads of the identity registers, which the device answers from the same
+    /// node as the VMM (gdrvm's emulators): the hollow function's are the device's.
+    AllButIdentity,
+}
 /// First I/O port of the type-1 configuration mechanism (address register).
 pub const CONFIG_IO_PORT: u16 = 0xcf8;
 /// Ports it covers: the address register (0xcf8) and the data window (0xcfc-0xcff).
@@ -37,8 +52,8 @@ pub struct PciSegment {
     /// Index into `functions` for each `bus << 8 | device << 3 | function`.
     index: Box<[u16; 65536]>,
     functions: Vec<Mutex<PciFunction>>,
-    /// By function: whether the guest's accesses wait at `gate` (its device attaches later).
-    held: Vec<bool>,
+    /// By function: which of the guest's accesses wait at `gate` (its device attaches later).
+    held: Vec<Hold>,
     gate: AttachGate,
     /// Weak: the sink (the device wiring) reaches the segment's buses; its owner keeps it.
     effects: OnceLock<Weak<dyn ApplyEffects>>,
@@ -53,19 +68,19 @@ impl PciSegment {
 
     /// The segment holding `functions`, one per function of `node`, in the node's order.
     pub fn with_functions(node: &Node, functions: Vec<PciFunction>) -> Self {
-        let held = vec![false; functions.len()];
+        let held = vec![Hold::Nothing; functions.len()];
         PciSegment::build(node, functions, held, AttachGate::opened())
     }
 
-    /// The segment of `node` with every function hollow, and the guest's accesses to those
-    /// `held` says will have a device waiting until [`PciSegment::attached`].
-    pub fn attaching(node: &Node, held: impl Fn(usize) -> bool) -> Self {
+    /// The segment of `node` with every function hollow, and the guest's accesses to
+    /// those that will have a device held as `held` says until [`PciSegment::attached`].
+    pub fn attaching(node: &Node, held: impl Fn(usize) -> Hold) -> Self {
         let functions = (0..node.functions.len()).map(|i| PciFunction::hollow(ConfigSpace::for_function(node, i)));
         let held = (0..node.functions.len()).map(held).collect();
         PciSegment::build(node, functions.collect(), held, AttachGate::closed())
     }
 
-    fn build(node: &Node, functions: Vec<PciFunction>, held: Vec<bool>, gate: AttachGate) -> Self {
+    fn build(node: &Node, functions: Vec<PciFunction>, held: Vec<Hold>, gate: AttachGate) -> Self {
         let mut index = Box::new([ABSENT; 65536]);
         for (i, f) in node.functions.iter().enumerate() {
             let slot = usize::from(f.bdf.bus) << 8 | usize::from(f.bdf.device) << 3 | usize::from(f.bdf.function);
@@ -107,9 +122,20 @@ impl PciSegment {
         self.functions.get(i)
     }
 
-    /// Waits, if function `i`'s device is still attaching.
-    fn hold(&self, i: usize) {
-        if self.held.get(i).copied().unwrap_or(false) {
+    /// How many guest accesses waited for a device, and how long in all.
+    pub fn waited(&self) -> (u64, std::time::Duration) {
+        self.gate.waited()
+    }
+
+    /// Waits, if function `i`'s device is still attaching and the access needs it: a
+    /// read of `len` bytes at `reg` (`write` false), or a write.
+    fn hold(&self, i: usize, reg: usize, len: usize, write: bool) {
+        let needs_device = match self.held.get(i).copied().unwrap_or(Hold::Nothing) {
+            Hold::Nothing => false,
+            Hold::Everything => true,
+            Hold::AllButIdentity => write || !IDENTITY.iter().any(|r| r.start <= reg && reg + len <= r.end),
+        };
+        if needs_device {
             self.gate.wait();
         }
     }
@@ -119,7 +145,7 @@ impl PciSegment {
     pub fn read(&self, bus: u8, devfn: u8, offset: usize, data: &mut [u8]) {
         match self.find(bus, devfn) {
             Some((i, f)) => {
-                self.hold(i);
+                self.hold(i, offset, data.len(), false);
                 lock(f).read(offset, data)
             }
             None => data.fill(0xff),
@@ -130,7 +156,7 @@ impl PciSegment {
     /// dropped), then applies what the write meant, with the function's lock released.
     pub fn write(&self, bus: u8, devfn: u8, offset: usize, data: &[u8]) {
         if let Some((i, _)) = self.find(bus, devfn) {
-            self.hold(i);
+            self.hold(i, offset, data.len(), true);
         }
         self.firmware_write(bus, devfn, offset, data);
     }

@@ -242,7 +242,7 @@ fn test_held_function_answers_only_once_its_device_is_installed() {
     let node = minimal();
     let gpu = node.functions.iter().position(|f| f.name == "gpu0").unwrap();
     let nic = node.functions.iter().position(|f| f.name == "nic0").unwrap();
-    let pci = Arc::new(PciSegment::attaching(&node, |i| i == gpu));
+    let pci = Arc::new(PciSegment::attaching(&node, |i| if i == gpu { Hold::Everything } else { Hold::Nothing }));
     let mut e = Ecam(pci.clone());
     assert_eq!(read32(&mut e, ecam(0, 1, 0, 0)), 0x000c_1b36, "the root port is not held");
     let bdf = node.functions[gpu].bdf;
@@ -258,4 +258,34 @@ fn test_held_function_answers_only_once_its_device_is_installed() {
     pci.attached();
     assert_eq!(rx.recv_timeout(std::time::Duration::from_secs(5)).unwrap() & 0xffff, 0x15b3);
     guest.join().unwrap();
+}
+
+/// An emulated function answers reads of its identity registers (IDs, class, header type,
+/// which its emulator takes from the same node) while its device attaches, as Linux's
+/// early quirk scan reads them; anything else waits.
+#[test]
+fn test_identity_reads_of_an_emulated_function_pass_while_it_attaches() {
+    let node = minimal();
+    let gpu = node.functions.iter().position(|f| f.name == "gpu0").unwrap();
+    let pci =
+        Arc::new(PciSegment::attaching(&node, |i| if i == gpu { Hold::AllButIdentity } else { Hold::Nothing }));
+    let bdf = node.functions[gpu].bdf;
+    let mut e = Ecam(pci.clone());
+    let at = move |reg| ecam(bdf.bus, bdf.device, bdf.function, reg);
+    assert_eq!(read32(&mut e, at(0)), 0x20b2_10de);
+    assert_eq!(read32(&mut e, at(0x08)) >> 8, 0x03_02_00);
+    let mut header = [0u8];
+    e.read(at(0x0e), &mut header);
+    assert_eq!(header[0] & 0x7f, 0);
+    assert_eq!(pci.waited().0, 0, "identity reads waited");
+    let (tx, rx) = std::sync::mpsc::channel();
+    let guest = {
+        let mut e = Ecam(pci.clone());
+        std::thread::spawn(move || tx.send(read16(&mut e, at(0x06))).unwrap())
+    };
+    assert!(rx.recv_timeout(std::time::Duration::from_millis(100)).is_err(), "the status read went through");
+    pci.attached();
+    rx.recv_timeout(std::time::Duration::from_secs(5)).unwrap();
+    guest.join().unwrap();
+    assert_eq!(pci.waited().0, 1);
 }

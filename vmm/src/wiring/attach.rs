@@ -20,7 +20,7 @@ use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::{open_backing, Backings, DeviceWiring, GuestRamRegion, MachineParts, Prestarted, WiringError};
-use crate::pci::{ApplyEffects, PciSegment};
+use crate::pci::{ApplyEffects, Hold, PciSegment};
 
 /// What the attaching thread needs: the node, the machine's buses and router, guest RAM
 /// and the wires its virtio-net NICs join.
@@ -55,14 +55,25 @@ pub struct Attaching {
     ready_at: Arc<OnceLock<Instant>>,
 }
 
-/// Whether function `i` of `node` has a device behind it (and so waits for it).
-pub fn has_device(node: &Node, i: usize) -> bool {
+/// Whether function `i` of `node` has a device behind it.
+fn has_device(node: &Node, i: usize) -> bool {
     !matches!(node.functions.get(i).map(|f| &f.backing), None | Some(Backing::None))
+}
+
+/// Which of the guest's accesses to function `i` of `node` wait for its device: none
+/// without one; all but the identity registers for gdrvm's emulators, which build their
+/// configuration space from the same node; all for the others.
+pub fn hold(node: &Node, i: usize) -> Hold {
+    match node.functions.get(i).map(|f| &f.backing) {
+        None | Some(Backing::None) => Hold::Nothing,
+        Some(Backing::EmulatedGpu | Backing::EmulatedNic) => Hold::AllButIdentity,
+        Some(_) => Hold::Everything,
+    }
 }
 
 impl Attaching {
     /// Starts attaching the devices of `inputs.node` into `pci` (built with
-    /// [`PciSegment::attaching`] over [`has_device`]).
+    /// [`PciSegment::attaching`] over [`hold`]).
     pub fn start(inputs: AttachInputs, pci: Arc<PciSegment>) -> std::io::Result<Attaching> {
         let done = EventFd::new(libc::EFD_NONBLOCK)?;
         let failed = Arc::new(AtomicBool::new(false));
@@ -74,17 +85,16 @@ impl Attaching {
             let (pci, done, failed, ready_at) = (pci.clone(), done.try_clone()?, failed.clone(), ready_at.clone());
             let wiring = wiring.clone();
             std::thread::Builder::new().name("gdrvm-attach".into()).spawn(move || {
+                // Whatever happens here, a panic included: the gate opens, the supervisor
+                // hears of it, and a failure is a failure.
+                let mut over = Over { pci: pci.clone(), done, failed, succeeded: false, _over: over };
                 let result = attach(inputs, &pci).map(|devices| *lock(&wiring) = Some(devices));
-                match &result {
-                    Ok(()) => {
-                        let _ = ready_at.set(Instant::now());
-                        tracing::debug!("devices attached");
-                    }
-                    Err(_) => failed.store(true, Ordering::Release),
+                if result.is_ok() {
+                    let _ = ready_at.set(Instant::now());
+                    tracing::debug!("devices attached");
+                    over.succeeded = true;
                 }
                 drop(over);
-                pci.attached();
-                let _ = done.write(1);
                 // Until the VMM is done with the devices (the sender is dropped); then
                 // they stop here, on the thread that started their emulators.
                 let _ = released.recv();
@@ -146,6 +156,26 @@ impl Drop for Attaching {
     fn drop(&mut self) {
         self.pci.attached();
         let _ = self.stop();
+    }
+}
+
+/// The end of attaching, told on drop: the failure flag (unless it succeeded), the
+/// `attached` channel disconnected, the gate opened, the supervisor woken.
+struct Over {
+    pci: Arc<PciSegment>,
+    done: EventFd,
+    failed: Arc<AtomicBool>,
+    succeeded: bool,
+    _over: mpsc::Sender<()>,
+}
+
+impl Drop for Over {
+    fn drop(&mut self) {
+        if !self.succeeded {
+            self.failed.store(true, Ordering::Release);
+        }
+        self.pci.attached();
+        let _ = self.done.write(1);
     }
 }
 

@@ -43,7 +43,7 @@ use memslots::{DeviceMemory, MemorySlots};
 use msi::MsiState;
 use msix::MsixState;
 
-pub use attach::{has_device, AttachInputs, Attaching};
+pub use attach::{hold, AttachInputs, Attaching};
 pub use emulator::{Emulator, EMU_DIR_ENV};
 pub use memslots::{MemorySink, MemslotError};
 
