@@ -239,7 +239,7 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
     let mut threads = VcpuThreads::start(vcpus, pins, &ctx)?;
     // Dropped before the threads on every path: a vCPU waiting for a device goes on, so
     // the threads can be stopped.
-    let _held = ReleaseHeld(pci.clone());
+    let held = ReleaseHeld(pci.clone());
 
     let _raw = if console.interactive { RawTerminal::enter(libc::STDIN_FILENO) } else { None };
     let supervisor = Supervisor {
@@ -255,7 +255,7 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
     tracing::debug!(?cause, "stopping the vCPUs");
     let devices_ready = attaching.ready_at().map(|t| t.duration_since(started));
     // A vCPU still waiting for a device must go on to see the stop.
-    pci.attached();
+    drop(held);
     let (device_waits, device_waited) = pci.waited();
     let vcpu_errors = threads.stop_all();
     tracing::debug!("vCPUs stopped");

@@ -267,8 +267,7 @@ fn test_held_function_answers_only_once_its_device_is_installed() {
 fn test_identity_reads_of_an_emulated_function_pass_while_it_attaches() {
     let node = minimal();
     let gpu = node.functions.iter().position(|f| f.name == "gpu0").unwrap();
-    let pci =
-        Arc::new(PciSegment::attaching(&node, |i| if i == gpu { Hold::AllButIdentity } else { Hold::Nothing }));
+    let pci = Arc::new(PciSegment::attaching(&node, |i| if i == gpu { Hold::AllButIdentity } else { Hold::Nothing }));
     let bdf = node.functions[gpu].bdf;
     let mut e = Ecam(pci.clone());
     let at = move |reg| ecam(bdf.bus, bdf.device, bdf.function, reg);

@@ -55,11 +55,6 @@ pub struct Attaching {
     ready_at: Arc<OnceLock<Instant>>,
 }
 
-/// Whether function `i` of `node` has a device behind it.
-fn has_device(node: &Node, i: usize) -> bool {
-    !matches!(node.functions.get(i).map(|f| &f.backing), None | Some(Backing::None))
-}
-
 /// Which of the guest's accesses to function `i` of `node` wait for its device: none
 /// without one; all but the identity registers for gdrvm's emulators, which build their
 /// configuration space from the same node; all for the others.
@@ -187,7 +182,7 @@ fn attach(inputs: AttachInputs, pci: &Arc<PciSegment>) -> Result<Arc<DeviceWirin
     let open = |node: &Node, i| open_backing(&backings, node, i);
     let (devices, functions) = DeviceWiring::new(&node, parts, &ram, &open)?;
     for (i, function) in functions.into_iter().enumerate() {
-        if has_device(&node, i) {
+        if hold(&node, i) != Hold::Nothing {
             pci.install(i, function);
         }
     }
