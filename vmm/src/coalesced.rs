@@ -6,8 +6,10 @@
 //! exits to KVM for the write; KVM keeps it in the kernel.
 //!
 //! The zone is the whole 32-bit register (0xcf8-0xcfb), so a byte write to the reset
-//! register at 0xcf9 is coalesced too: it takes effect at the next exit, as under QEMU.
-//! Reads are never coalesced.
+//! register at 0xcf9 is coalesced too. It must not wait for an exit that may never come:
+//! Linux's reboot path writes 0xcf9 and goes on, and a vCPU that KVM puts through INIT has
+//! no firmware at the reset vector to exit for it. So the supervisor also applies the ring
+//! every [`FLUSH_PERIOD`] ([`PeriodicFlush`]). Reads are never coalesced.
 //!
 //! Written by hand: kvm-ioctls reads this ring only through `&mut VcpuFd`, which the vCPU
 //! loop has lent to the exit it is serving, and without ordering its loads of the
@@ -19,13 +21,15 @@ use std::fs::File;
 use std::mem::{offset_of, size_of};
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use kvm_bindings::{kvm_coalesced_mmio, kvm_coalesced_mmio_ring, KVM_COALESCED_MMIO_PAGE_OFFSET};
 use kvm_ioctls::{Cap, IoEventAddress, Kvm, VcpuFd, VmFd};
 use vm_memory::mmap::MmapRegion;
 use vm_memory::volatile_memory::VolatileSlice;
 use vm_memory::{Bytes, FileOffset, VolatileMemory};
+use vmm_sys_util::timerfd::TimerFd;
 
 use gdrvm_devices::{lock, Bus};
 
@@ -187,6 +191,39 @@ impl CoalescedRing {
     }
 }
 
+/// How often the supervisor applies the ring when no vCPU exits do.
+pub const FLUSH_PERIOD: Duration = Duration::from_millis(10);
+
+/// A timer on which the supervisor applies the ring, for writes after which the guest
+/// makes no exit (a reset through 0xcf9).
+pub struct PeriodicFlush {
+    timer: TimerFd,
+    ring: Arc<CoalescedRing>,
+    pio: Arc<Bus>,
+    mmio: Arc<Bus>,
+}
+
+impl PeriodicFlush {
+    /// Applies `ring` to `pio` and `mmio` every [`FLUSH_PERIOD`], once [`PeriodicFlush::fd`]
+    /// is polled and [`PeriodicFlush::fire`] called when it is readable.
+    pub fn new(ring: Arc<CoalescedRing>, pio: Arc<Bus>, mmio: Arc<Bus>) -> std::io::Result<Self> {
+        let mut timer = TimerFd::new().map_err(std::io::Error::from)?;
+        timer.reset(FLUSH_PERIOD, Some(FLUSH_PERIOD)).map_err(std::io::Error::from)?;
+        Ok(PeriodicFlush { timer, ring, pio, mmio })
+    }
+
+    /// The timer's descriptor, readable every period.
+    pub fn fd(&self) -> &TimerFd {
+        &self.timer
+    }
+
+    /// Consumes the expiry and applies the ring.
+    pub fn fire(&mut self) {
+        let _ = self.timer.wait();
+        self.ring.drain(&self.pio, &self.mmio);
+    }
+}
+
 /// The host's page size.
 fn page_size() -> Option<usize> {
     // SAFETY: sysconf reads a system constant and touches no memory of ours.
@@ -197,7 +234,6 @@ fn page_size() -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Arc;
 
     use gdrvm_devices::BusDevice;
     use kvm_bindings::kvm_userspace_memory_region;
@@ -262,6 +298,19 @@ mod tests {
         assert_eq!(lock(&ports).0, [(0, 0x8000_1000u32.to_le_bytes().to_vec()), (1, vec![6])]);
         assert_eq!(lock(&ecam).0, [(0x10, vec![7, 8])]);
         assert_eq!(ring.applied(), 3);
+    }
+
+    /// A reset through 0xcf9 after which the guest makes no exit still reaches its
+    /// device: the supervisor's timer applies the ring.
+    #[test]
+    fn test_the_periodic_flush_applies_writes_no_exit_follows() {
+        let ring = Arc::new(CoalescedRing::over(MmapRegion::new(4096).unwrap()));
+        let (pio, mmio, ports, _) = buses();
+        let mut flush = PeriodicFlush::new(ring.clone(), Arc::new(pio), Arc::new(mmio)).unwrap();
+        push(&ring, 0xcf9, &[6], true);
+        flush.fire();
+        assert_eq!(lock(&ports).0, [(1, vec![6])]);
+        assert!(ring.is_empty());
     }
 
     #[test]

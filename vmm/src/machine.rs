@@ -25,7 +25,7 @@ use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 
-use crate::coalesced::{CoalescedRing, Zone};
+use crate::coalesced::{CoalescedRing, PeriodicFlush, Zone};
 use crate::config::{ConfigError, VmConfig};
 use crate::console::{EscapeFilter, InputAction, RawTerminal};
 use crate::cpu_topology::CpuPlace;
@@ -242,7 +242,15 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
     let held = ReleaseHeld(pci.clone());
 
     let _raw = if console.interactive { RawTerminal::enter(libc::STDIN_FILENO) } else { None };
+    let flush = match &ctx.coalesced {
+        Some(ring) => Some(
+            PeriodicFlush::new(ring.clone(), ctx.pio.clone(), ctx.mmio.clone())
+                .map_err(host("create the timer that applies coalesced writes"))?,
+        ),
+        None => None,
+    };
     let supervisor = Supervisor {
+        flush,
         attached: attaching.done().try_clone().map_err(host("clone an eventfd"))?,
         attach_failed: attaching.failed_flag(),
         exit_evt: signal.eventfd().try_clone().map_err(host("clone an eventfd"))?,
@@ -591,6 +599,8 @@ impl ConsoleInput {
 }
 
 struct Supervisor {
+    /// Applies coalesced writes the vCPUs have not (a reset through 0xcf9).
+    flush: Option<PeriodicFlush>,
     /// Readable once the devices have attached, or failed to.
     attached: EventFd,
     attach_failed: Arc<AtomicBool>,
@@ -608,6 +618,9 @@ impl MutEventSubscriber for Supervisor {
                 tracing::error!("event loop registration failed: {err:?}");
             }
         };
+        if let Some(flush) = &self.flush {
+            add(Events::new(flush.fd(), EventSet::IN));
+        }
         add(Events::new(&self.attached, EventSet::IN));
         add(Events::new(&self.exit_evt, EventSet::IN));
         add(Events::new(&self.vcpu_done, EventSet::IN));
@@ -620,7 +633,9 @@ impl MutEventSubscriber for Supervisor {
 
     fn process(&mut self, events: Events, ops: &mut EventOps) {
         let fd = events.fd();
-        if fd == self.attached.as_raw_fd() {
+        if let Some(flush) = self.flush.as_mut().filter(|f| f.fd().as_raw_fd() == fd) {
+            flush.fire();
+        } else if fd == self.attached.as_raw_fd() {
             let _ = self.attached.read();
             let _ = ops.remove(events);
             if self.attach_failed.load(Ordering::Acquire) {
