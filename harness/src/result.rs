@@ -120,15 +120,6 @@ pub struct GdrvmStats {
     /// That time by phase, in order: name and µs.
     #[serde(default)]
     pub phases: Vec<(String, u64)>,
-    /// Process start to every device in place, in µs (devices attach beside the boot).
-    #[serde(default)]
-    pub devices_ready_us: Option<u64>,
-    /// Guest configuration accesses that waited for a device to be in place.
-    #[serde(default)]
-    pub device_waits: u64,
-    /// How long they waited in all, in µs.
-    #[serde(default)]
-    pub device_waited_us: u64,
     /// Resident memory beyond guest RAM, in KiB.
     pub rss_beyond_guest_kib: Option<u64>,
     /// Guest configuration writes passed-through devices' firewalls dropped.

@@ -148,12 +148,6 @@ pub struct RunReport {
     pub phases: Vec<(&'static str, Duration)>,
     /// The exits the VMM served (exits KVM handled itself are not among them).
     pub exits: ExitTally,
-    /// Process start to every device in place (they attach beside the guest's boot).
-    pub devices_ready: Option<Duration>,
-    /// Guest configuration accesses that waited for a device to be in place.
-    pub device_waits: u64,
-    /// How long they waited in all.
-    pub device_waited: Duration,
     /// Resident memory of the VMM beyond guest RAM (anonymous + file-backed), in KiB.
     pub rss_beyond_guest_kib: Option<u64>,
     /// MMIO accesses nothing claimed (unbacked BARs read as all-ones), counted, not fatal.
@@ -201,8 +195,8 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
     check_address_bits(&supported_cpuid, &config.node)?;
     let mmio = Arc::new(Bus::new("mmio"));
     // Dropped when `run` returns, whatever the path: BARs leave the guest, devices reset.
-    let (pci, attaching) = wire_devices(config, &vm, &mmio, &irq, &ram)?;
-    phases.mark("PCI segment (devices attach beside the boot)");
+    let (pci, devices) = wire_devices(config, &vm, &mmio, &irq, &ram)?;
+    phases.mark("devices");
     let cpus = cpu_topology::layout(config.cpus, &config.node.numa);
     let entry =
         load_guest(&ram.memory, config, &cpus, initrd.as_ref().map(|i| i as &dyn initrd::InitrdSource), &mut phases)?;
@@ -237,9 +231,6 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
     phases.mark("vCPUs");
     let pins = cpus.iter().map(|place| placement.cpus(place.socket).map(<[usize]>::to_vec)).collect();
     let mut threads = VcpuThreads::start(vcpus, pins, &ctx)?;
-    // Dropped before the threads on every path: a vCPU waiting for a device goes on, so
-    // the threads can be stopped.
-    let held = ReleaseHeld(pci.clone());
 
     let _raw = if console.interactive { RawTerminal::enter(libc::STDIN_FILENO) } else { None };
     let flush = match &ctx.coalesced {
@@ -251,8 +242,6 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
     };
     let supervisor = Supervisor {
         flush,
-        attached: attaching.done().try_clone().map_err(host("clone an eventfd"))?,
-        attach_failed: attaching.failed_flag(),
         exit_evt: signal.eventfd().try_clone().map_err(host("clone an eventfd"))?,
         vcpu_done: threads.done.try_clone().map_err(host("clone an eventfd"))?,
         signals,
@@ -261,13 +250,8 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
     };
     let cause = supervise(supervisor)?;
     tracing::debug!(?cause, "stopping the vCPUs");
-    let devices_ready = attaching.ready_at().map(|t| t.duration_since(started));
-    // A vCPU still waiting for a device must go on to see the stop.
-    drop(held);
-    let (device_waits, device_waited) = pci.waited();
     let vcpu_errors = threads.stop_all();
     tracing::debug!("vCPUs stopped");
-    let dropped_config_writes = attaching.finish(|devices| devices.dropped_config_writes())?;
     if let Some(err) = vcpu_errors.into_iter().next() {
         return Err(err.into());
     }
@@ -284,15 +268,12 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
         outcome,
         status: signal.status(),
         setup: threads.first_run.get().map(|t| t.duration_since(started)),
-        devices_ready,
-        device_waits,
-        device_waited,
         phases: phases.phases,
         exits,
         rss_beyond_guest_kib: rss_beyond_guest_kib(),
         unclaimed_mmio: ctx.mmio.unclaimed(),
         coalesced_writes: ctx.coalesced.as_ref().map_or(0, |ring| ring.applied()),
-        dropped_config_writes,
+        dropped_config_writes: devices.dropped_config_writes(),
     })
 }
 
@@ -397,17 +378,17 @@ fn check_address_bits(cpuid: &CpuId, node: &Node) -> Result<(), VmmError> {
     Ok(())
 }
 
-/// The PCI segment that reaches the node's functions, with ECAM on the MMIO bus, and the
-/// devices behind them attaching on a thread of their own. BARs of functions with nothing
-/// behind them stay unbacked (they read as all-ones); the others are placed as the guest
-/// programs them, starting where firmware would leave them.
+/// The devices behind the node's functions and the PCI segment that reaches them, with
+/// ECAM on the MMIO bus. BARs of functions with nothing behind them stay unbacked (they
+/// read as all-ones); the others are placed as the guest programs them, starting where
+/// firmware would leave them.
 fn wire_devices(
     config: &VmConfig,
     vm: &Arc<VmFd>,
     mmio: &Arc<Bus>,
     irq: &Arc<GsiRouter>,
     ram: &memory::GuestRam,
-) -> Result<(Arc<PciSegment>, wiring::Attaching), VmmError> {
+) -> Result<(Arc<PciSegment>, Arc<wiring::DeviceWiring>), VmmError> {
     let parts = wiring::MachineParts { memory: vm.clone(), mmio: mmio.clone(), irq: irq.clone() };
     // One handle on the memfd for every DMA target in another process.
     let file = ram.file.try_clone().ok().map(Arc::new);
@@ -425,19 +406,19 @@ fn wire_devices(
             file,
         });
     }
-    let node = &config.node;
-    let pci = Arc::new(PciSegment::attaching(node, |i| wiring::hold(node, i)));
-    mmio.insert(Arc::new(Mutex::new(Ecam(pci.clone()))), layout::ECAM_BASE, layout::ECAM_SIZE)?;
-    let inputs = wiring::AttachInputs {
-        node: node.clone(),
-        parts,
-        ram: regions,
+    let backings = wiring::Backings {
+        prestarted: wiring::Prestarted::start(&config.node)?,
         memory: ram.memory.clone(),
         wires: config.wires.clone(),
     };
-    let attaching =
-        wiring::Attaching::start(inputs, pci.clone()).map_err(host("start the thread attaching devices"))?;
-    Ok((pci, attaching))
+    let open = |node: &gdrvm_model::node::Node, i| wiring::open_backing(&backings, node, i);
+    let (devices, functions) = wiring::DeviceWiring::new(&config.node, parts, &regions, &open)?;
+    let pci = Arc::new(PciSegment::with_functions(&config.node, functions));
+    let sink: Arc<dyn crate::pci::ApplyEffects> = devices.clone();
+    pci.set_effects(Arc::downgrade(&sink));
+    mmio.insert(Arc::new(Mutex::new(Ecam(pci.clone()))), layout::ECAM_BASE, layout::ECAM_SIZE)?;
+    devices.start(&config.node, &pci);
+    Ok((pci, devices))
 }
 
 /// Port writes KVM keeps in its ring instead of exiting: the type-1 address register. Its
@@ -461,15 +442,6 @@ fn port_io_bus(
     let reset = Box::new(ResetRegister::new(signal.clone()));
     add(Arc::new(Mutex::new(ConfigIo::new(pci.clone(), reset))), CONFIG_IO_PORT, CONFIG_IO_LEN)?;
     Ok(pio)
-}
-
-/// Lets the guest's accesses held for devices through when dropped.
-struct ReleaseHeld(Arc<PciSegment>);
-
-impl Drop for ReleaseHeld {
-    fn drop(&mut self) {
-        self.0.attached();
-    }
 }
 
 extern "C" fn kick_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
@@ -567,8 +539,6 @@ enum StopCause {
     VcpuExited,
     /// SIGINT, SIGTERM or SIGHUP, or Ctrl-A x.
     Interrupted,
-    /// A device could not be attached.
-    AttachFailed,
 }
 
 /// Feeds the host's standard input to the guest's serial port, pausing while the receive
@@ -601,9 +571,6 @@ impl ConsoleInput {
 struct Supervisor {
     /// Applies coalesced writes the vCPUs have not (a reset through 0xcf9).
     flush: Option<PeriodicFlush>,
-    /// Readable once the devices have attached, or failed to.
-    attached: EventFd,
-    attach_failed: Arc<AtomicBool>,
     exit_evt: EventFd,
     vcpu_done: EventFd,
     signals: StopSignals,
@@ -621,7 +588,6 @@ impl MutEventSubscriber for Supervisor {
         if let Some(flush) = &self.flush {
             add(Events::new(flush.fd(), EventSet::IN));
         }
-        add(Events::new(&self.attached, EventSet::IN));
         add(Events::new(&self.exit_evt, EventSet::IN));
         add(Events::new(&self.vcpu_done, EventSet::IN));
         add(Events::new(&self.signals, EventSet::IN));
@@ -635,12 +601,6 @@ impl MutEventSubscriber for Supervisor {
         let fd = events.fd();
         if let Some(flush) = self.flush.as_mut().filter(|f| f.fd().as_raw_fd() == fd) {
             flush.fire();
-        } else if fd == self.attached.as_raw_fd() {
-            let _ = self.attached.read();
-            let _ = ops.remove(events);
-            if self.attach_failed.load(Ordering::Acquire) {
-                self.stop.get_or_insert(StopCause::AttachFailed);
-            }
         } else if fd == self.exit_evt.as_raw_fd() {
             let _ = self.exit_evt.read();
             self.stop.get_or_insert(StopCause::Guest);

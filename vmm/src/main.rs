@@ -379,9 +379,6 @@ fn stats_json(report: &RunReport) -> serde_json::Value {
     serde_json::json!({
         "setup_us": report.setup.map(|d| d.as_micros() as u64),
         "phases": report.phases.iter().map(|(name, d)| serde_json::json!([name, d.as_micros() as u64])).collect::<Vec<_>>(),
-        "devices_ready_us": report.devices_ready.map(|d| d.as_micros() as u64),
-        "device_waits": report.device_waits,
-        "device_waited_us": report.device_waited.as_micros() as u64,
         "rss_beyond_guest_kib": report.rss_beyond_guest_kib,
         "unclaimed_mmio": report.unclaimed_mmio,
         "dropped_config_writes": report.dropped_config_writes,

@@ -445,14 +445,6 @@ async fn time_to_agent(runner: &Runner, rounds: usize, nodes: &[(&str, String)])
         let mine: Vec<&VmResult> = results.iter().filter(|r| r.name.starts_with(&format!("{label} #"))).collect();
         let times: Vec<f64> = mine.iter().filter_map(|r| r.time_to_ktap.map(|d| d.as_secs_f64())).collect();
         medians.push(print_median(&format!("{label:<18} time to agent"), &times, mine.len()));
-        let ready: Vec<f64> =
-            mine.iter().filter_map(|r| r.stats.as_ref()?.devices_ready_us).map(|us| us as f64 / 1e6).collect();
-        if !ready.is_empty() {
-            print_median(&format!("{label:<18} devices in place (beside the boot)"), &ready, mine.len());
-            let waited: Vec<f64> =
-                mine.iter().filter_map(|r| r.stats.as_ref()).map(|s| s.device_waited_us as f64 / 1e6).collect();
-            print_median(&format!("{label:<18} guest waited for devices"), &waited, mine.len());
-        }
     }
     print_l1_incidents(&results);
     Ok(medians)

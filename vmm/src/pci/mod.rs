@@ -6,7 +6,6 @@
 //! Hypervisor's and crosvm's PCI buses are tied to their own device managers.
 
 mod function;
-mod gate;
 
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
@@ -14,7 +13,6 @@ use gdrvm_devices::{lock, BusDevice, ConfigWriteEffects};
 use gdrvm_model::node::Node;
 
 pub use function::{Backend, PciFunction};
-pub use gate::AttachGate;
 pub use gdrvm_devices::{ConfigSpace, ACS_CAPABILITIES, CONFIG_SPACE_SIZE};
 
 /// Applies what a configuration write meant (BARs moved, decode switched, MSI-X enabled)
@@ -26,21 +24,6 @@ pub trait ApplyEffects: Send + Sync {
 
 /// No function at this bus/device/function.
 const ABSENT: u16 = u16::MAX;
-/// The read-only identity registers of a type-0 header: vendor and device ID, revision and
-/// class, header type.
-const IDENTITY: [std::ops::Range<usize>; 3] = [0x00..0x04, 0x08..0x0c, 0x0e..0x0f];
-
-/// Which of the guest's accesses to a function wait for its device while it attaches.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Hold {
-    /// None: the function has no device, or it is in place.
-    Nothing,
-    /// Every access: the device's identity is its own (a passed-through or external one).
-    Everything,
-    /// All but reads of the identity registers, which the device answers from the same
-    /// node as the VMM (gdrvm's emulators): the hollow function's are the device's.
-    AllButIdentity,
-}
 /// First I/O port of the type-1 configuration mechanism (address register).
 pub const CONFIG_IO_PORT: u16 = 0xcf8;
 /// Ports it covers: the address register (0xcf8) and the data window (0xcfc-0xcff).
@@ -52,9 +35,6 @@ pub struct PciSegment {
     /// Index into `functions` for each `bus << 8 | device << 3 | function`.
     index: Box<[u16; 65536]>,
     functions: Vec<Mutex<PciFunction>>,
-    /// By function: which of the guest's accesses wait at `gate` (its device attaches later).
-    held: Vec<Hold>,
-    gate: AttachGate,
     /// Weak: the sink (the device wiring) reaches the segment's buses; its owner keeps it.
     effects: OnceLock<Weak<dyn ApplyEffects>>,
 }
@@ -68,40 +48,12 @@ impl PciSegment {
 
     /// The segment holding `functions`, one per function of `node`, in the node's order.
     pub fn with_functions(node: &Node, functions: Vec<PciFunction>) -> Self {
-        let held = vec![Hold::Nothing; functions.len()];
-        PciSegment::build(node, functions, held, AttachGate::opened())
-    }
-
-    /// The segment of `node` with every function hollow, and the guest's accesses to
-    /// those that will have a device held as `held` says until [`PciSegment::attached`].
-    pub fn attaching(node: &Node, held: impl Fn(usize) -> Hold) -> Self {
-        let functions = (0..node.functions.len()).map(|i| PciFunction::hollow(ConfigSpace::for_function(node, i)));
-        let held = (0..node.functions.len()).map(held).collect();
-        PciSegment::build(node, functions.collect(), held, AttachGate::closed())
-    }
-
-    fn build(node: &Node, functions: Vec<PciFunction>, held: Vec<Hold>, gate: AttachGate) -> Self {
         let mut index = Box::new([ABSENT; 65536]);
         for (i, f) in node.functions.iter().enumerate() {
             let slot = usize::from(f.bdf.bus) << 8 | usize::from(f.bdf.device) << 3 | usize::from(f.bdf.function);
             index[slot] = i as u16;
         }
-        let functions = functions.into_iter().map(Mutex::new).collect();
-        PciSegment { index, functions, held, gate, effects: OnceLock::new() }
-    }
-
-    /// Puts `function` (with its device) in place of function `i`.
-    pub fn install(&self, i: usize, function: PciFunction) {
-        match self.functions.get(i) {
-            Some(f) => *lock(f) = function,
-            None => tracing::error!(i, "no function {i} in the PCI segment to install a device at"),
-        }
-    }
-
-    /// Lets the guest's held accesses through: every device is in place, or attaching has
-    /// been given up.
-    pub fn attached(&self) {
-        self.gate.open();
+        PciSegment { index, functions: functions.into_iter().map(Mutex::new).collect(), effects: OnceLock::new() }
     }
 
     /// Sends the effects of configuration writes to `sink` from now on (set once), for
@@ -122,48 +74,17 @@ impl PciSegment {
         self.functions.get(i)
     }
 
-    /// How many guest accesses waited for a device, and how long in all.
-    pub fn waited(&self) -> (u64, std::time::Duration) {
-        self.gate.waited()
-    }
-
-    /// Waits, if function `i`'s device is still attaching and the access needs it: a
-    /// read of `len` bytes at `reg` (`write` false), or a write.
-    fn hold(&self, i: usize, reg: usize, len: usize, write: bool) {
-        let needs_device = match self.held.get(i).copied().unwrap_or(Hold::Nothing) {
-            Hold::Nothing => false,
-            Hold::Everything => true,
-            Hold::AllButIdentity => write || !IDENTITY.iter().any(|r| r.start <= reg && reg + len <= r.end),
-        };
-        if needs_device {
-            self.gate.wait();
-        }
-    }
-
-    /// Reads configuration space as the guest does; an absent function reads as all-ones
-    /// (no vendor).
+    /// Reads configuration space; an absent function reads as all-ones (no vendor).
     pub fn read(&self, bus: u8, devfn: u8, offset: usize, data: &mut [u8]) {
         match self.find(bus, devfn) {
-            Some((i, f)) => {
-                self.hold(i, offset, data.len(), false);
-                lock(f).read(offset, data)
-            }
+            Some((_, f)) => lock(f).read(offset, data),
             None => data.fill(0xff),
         }
     }
 
-    /// Writes configuration space as the guest does (writes to absent functions are
-    /// dropped), then applies what the write meant, with the function's lock released.
+    /// Writes configuration space (writes to absent functions are dropped), then applies
+    /// what the write meant, with the function's lock released.
     pub fn write(&self, bus: u8, devfn: u8, offset: usize, data: &[u8]) {
-        if let Some((i, _)) = self.find(bus, devfn) {
-            self.hold(i, offset, data.len(), true);
-        }
-        self.firmware_write(bus, devfn, offset, data);
-    }
-
-    /// Writes configuration space as firmware does before the guest may reach the
-    /// function: never held.
-    pub fn firmware_write(&self, bus: u8, devfn: u8, offset: usize, data: &[u8]) {
         let Some((i, f)) = self.find(bus, devfn) else { return };
         let effects = lock(f).write(offset, data);
         if !effects.is_empty() {

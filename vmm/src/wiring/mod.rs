@@ -13,7 +13,6 @@
 //! Cloud Hypervisor likewise moves BARs only on address writes. A passed-through device's
 //! BARs are removed instead: vfio-pci revokes their mappings while decode is off.
 
-mod attach;
 mod bars;
 mod emulator;
 mod memslots;
@@ -43,7 +42,6 @@ use memslots::{DeviceMemory, MemorySlots};
 use msi::MsiState;
 use msix::MsixState;
 
-pub use attach::{hold, AttachInputs, Attaching};
 pub use emulator::{Emulator, EMU_DIR_ENV};
 pub use memslots::{MemorySink, MemslotError};
 
@@ -343,7 +341,7 @@ impl DeviceWiring {
         for &i in self.wired.keys() {
             let bdf = node.functions[i].bdf;
             let devfn = bdf.device << 3 | bdf.function;
-            pci.firmware_write(bdf.bus, devfn, PCI_COMMAND, &PCI_COMMAND_MEMORY.to_le_bytes());
+            pci.write(bdf.bus, devfn, PCI_COMMAND, &PCI_COMMAND_MEMORY.to_le_bytes());
         }
     }
 
