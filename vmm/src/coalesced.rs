@@ -191,8 +191,10 @@ impl CoalescedRing {
     }
 }
 
-/// How often the supervisor applies the ring when no vCPU exits do.
-pub const FLUSH_PERIOD: Duration = Duration::from_millis(10);
+/// How often the supervisor applies the ring when no vCPU exits do. Rarely: a reset may
+/// wait this long, and nested, every wake-up of the VMM's thread is an interrupt on the
+/// CPU under a vCPU (a 10 ms period coincided with L2 guests dying of a #PF recursion).
+pub const FLUSH_PERIOD: Duration = Duration::from_millis(200);
 
 /// A timer on which the supervisor applies the ring, for writes after which the guest
 /// makes no exit (a reset through 0xcf9).
