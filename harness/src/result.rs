@@ -125,9 +125,9 @@ pub struct GdrvmStats {
     /// Guest configuration writes passed-through devices' firewalls dropped.
     #[serde(default)]
     pub dropped_config_writes: u64,
-    /// Port writes KVM kept in its coalesced ring (no exit), applied at later exits.
+    /// Functions whose configuration space KVM maps read-only, so only writes exit.
     #[serde(default)]
-    pub coalesced_writes: u64,
+    pub config_images: u64,
     /// Exits the VMM served, to the end of the run.
     #[serde(default)]
     pub vmm_exits: u64,

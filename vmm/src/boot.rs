@@ -153,7 +153,17 @@ fn load_kernel(mem: &GuestMemoryMmap, config: &VmConfig) -> Result<KernelLoaderR
     result.map_err(|source| BootError::KernelLoad { path, source })
 }
 
+/// Kernel parameters the machine itself implies, ahead of the user's: `pci=noearly`, as
+/// there is no type-1 configuration mechanism (see `pci`). Without it Linux reads bus 0
+/// and the AMD northbridge slots through ports 0xcf8/0xcfc in `setup_arch` (early quirks,
+/// the GART aperture search), about 110 accesses and 220 exits that all read all-ones, and
+/// tries an early MMCONFIG check that needs type 1; ECAM is taken from MCFG at `acpi_init`
+/// either way.
+const MACHINE_ARGS: &str = "pci=noearly";
+
 fn write_cmdline(mem: &GuestMemoryMmap, text: &str) -> Result<(u64, usize), BootError> {
+    let text = format!("{MACHINE_ARGS} {text}");
+    let text = text.trim_end();
     let mut cmdline = Cmdline::new(layout::CMDLINE_MAX_SIZE).map_err(|e| BootError::Cmdline(e.to_string()))?;
     cmdline.insert_str(text).map_err(|e| BootError::Cmdline(e.to_string()))?;
     linux_loader::loader::load_cmdline(mem, GuestAddress(layout::CMDLINE_START), &cmdline)
@@ -353,10 +363,11 @@ mod tests {
         assert_eq!(module.size, 12);
         assert_eq!(module.paddr % 4096, 0);
         assert!(module.paddr + module.size <= 64 * MIB);
-        let mut cmd = [0u8; 20];
+        let want = b"pci=noearly console=ttyS0 quiet";
+        let mut cmd = [0u8; 32];
         m.read_slice(&mut cmd, GuestAddress(info.cmdline_paddr)).unwrap();
-        assert_eq!(&cmd[..19], b"console=ttyS0 quiet");
-        assert_eq!(cmd[19], 0);
+        assert_eq!(&cmd[..want.len()], want, "the machine's parameters, then the user's");
+        assert_eq!(cmd[want.len()], 0);
         let ram: hvm_memmap_table_entry = m
             .read_obj(GuestAddress(layout::PVH_MEMMAP_START + 2 * std::mem::size_of::<hvm_memmap_table_entry>() as u64))
             .unwrap();

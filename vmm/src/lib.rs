@@ -5,7 +5,6 @@ pub mod acpi;
 pub mod bios;
 pub mod boot;
 pub mod cluster;
-pub mod coalesced;
 pub mod config;
 mod console;
 pub mod cpu_topology;

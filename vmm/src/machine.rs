@@ -25,13 +25,12 @@ use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 
-use crate::coalesced::{CoalescedRing, PeriodicFlush, Zone};
 use crate::config::{ConfigError, VmConfig};
 use crate::console::{EscapeFilter, InputAction, RawTerminal};
 use crate::cpu_topology::CpuPlace;
 use crate::host_numa::{self, HostNumaError, HostPlacement};
 use crate::irq::{GsiRouter, IrqError};
-use crate::pci::{ConfigIo, Ecam, PciSegment, CONFIG_IO_LEN, CONFIG_IO_PORT};
+use crate::pci::{Ecam, PciSegment};
 use crate::signals::StopSignals;
 use crate::stats::{ExitTally, SetupPhases};
 use crate::vcpu::{self, ExitContext, VcpuError};
@@ -154,9 +153,8 @@ pub struct RunReport {
     pub unclaimed_mmio: u64,
     /// Guest configuration writes the passed-through devices' firewalls dropped.
     pub dropped_config_writes: u64,
-    /// Port writes KVM kept in its coalesced ring instead of exiting (the PCI address
-    /// register), applied by the VMM at a later exit.
-    pub coalesced_writes: u64,
+    /// Functions whose configuration space KVM maps read-only, so only writes exit.
+    pub config_images: usize,
 }
 
 /// Console wiring for a run.
@@ -195,7 +193,7 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
     check_address_bits(&supported_cpuid, &config.node)?;
     let mmio = Arc::new(Bus::new("mmio"));
     // Dropped when `run` returns, whatever the path: BARs leave the guest, devices reset.
-    let (pci, devices) = wire_devices(config, &vm, &mmio, &irq, &ram)?;
+    let devices = wire_devices(config, &vm, &mmio, &irq, &ram)?;
     phases.mark("devices");
     let cpus = cpu_topology::layout(config.cpus, &config.node.numa);
     let entry =
@@ -211,19 +209,9 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
         console.output,
     )));
     let vcpus = create_vcpus(&supported_cpuid, vcpu::mcg_cap(&kvm_sys), &vm, &cpus, entry)?;
-    let coalesced = match vcpus.first() {
-        Some(first) => CoalescedRing::new(&kvm_sys, &vm, first, &COALESCED_ZONES)
-            .unwrap_or_else(|e| {
-                tracing::warn!("{e}: PCI address writes exit to the VMM");
-                None
-            })
-            .map(Arc::new),
-        None => None,
-    };
     let ctx = ExitContext {
-        pio: Arc::new(port_io_bus(&signal, serial.clone(), &pci)?),
+        pio: Arc::new(port_io_bus(&signal, serial.clone())?),
         mmio,
-        coalesced,
         signal: signal.clone(),
         stop: Arc::new(AtomicBool::new(false)),
         exits: Arc::new(Mutex::new(ExitTally::default())),
@@ -233,15 +221,7 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
     let mut threads = VcpuThreads::start(vcpus, pins, &ctx)?;
 
     let _raw = if console.interactive { RawTerminal::enter(libc::STDIN_FILENO) } else { None };
-    let flush = match &ctx.coalesced {
-        Some(ring) => Some(
-            PeriodicFlush::new(ring.clone(), ctx.pio.clone(), ctx.mmio.clone())
-                .map_err(host("create the timer that applies coalesced writes"))?,
-        ),
-        None => None,
-    };
     let supervisor = Supervisor {
-        flush,
         exit_evt: signal.eventfd().try_clone().map_err(host("clone an eventfd"))?,
         vcpu_done: threads.done.try_clone().map_err(host("clone an eventfd"))?,
         signals,
@@ -272,8 +252,8 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
         exits,
         rss_beyond_guest_kib: rss_beyond_guest_kib(),
         unclaimed_mmio: ctx.mmio.unclaimed(),
-        coalesced_writes: ctx.coalesced.as_ref().map_or(0, |ring| ring.applied()),
         dropped_config_writes: devices.dropped_config_writes(),
+        config_images: devices.config_images(),
     })
 }
 
@@ -378,8 +358,8 @@ fn check_address_bits(cpuid: &CpuId, node: &Node) -> Result<(), VmmError> {
     Ok(())
 }
 
-/// The devices behind the node's functions and the PCI segment that reaches them, with
-/// ECAM on the MMIO bus. BARs of functions with nothing behind them stay unbacked (they
+/// The devices behind the node's functions, and the PCI segment that reaches them on the
+/// MMIO bus as ECAM, with its configuration images mapped where KVM can. BARs of functions with nothing behind them stay unbacked (they
 /// read as all-ones); the others are placed as the guest programs them, starting where
 /// firmware would leave them.
 fn wire_devices(
@@ -388,7 +368,7 @@ fn wire_devices(
     mmio: &Arc<Bus>,
     irq: &Arc<GsiRouter>,
     ram: &memory::GuestRam,
-) -> Result<(Arc<PciSegment>, Arc<wiring::DeviceWiring>), VmmError> {
+) -> Result<Arc<wiring::DeviceWiring>, VmmError> {
     let parts = wiring::MachineParts { memory: vm.clone(), mmio: mmio.clone(), irq: irq.clone() };
     // One handle on the memfd for every DMA target in another process.
     let file = ram.file.try_clone().ok().map(Arc::new);
@@ -417,30 +397,25 @@ fn wire_devices(
     let sink: Arc<dyn crate::pci::ApplyEffects> = devices.clone();
     pci.set_effects(Arc::downgrade(&sink));
     mmio.insert(Arc::new(Mutex::new(Ecam(pci.clone()))), layout::ECAM_BASE, layout::ECAM_SIZE)?;
+    if vm.check_extension(Cap::ReadonlyMem) {
+        devices.map_config_images(&pci, layout::ECAM_BASE);
+    } else {
+        tracing::warn!("KVM has no read-only memory slots: every configuration read exits");
+    }
     devices.start(&config.node, &pci);
-    Ok((pci, devices))
+    Ok(devices)
 }
 
-/// Port writes KVM keeps in its ring instead of exiting: the type-1 address register. Its
-/// data window (0xcfc) is read and written through it, so every access still reaches the
-/// VMM once, and the VMM applies the ring before it serves any exit.
-const COALESCED_ZONES: [Zone; 1] = [Zone { port: CONFIG_IO_PORT, len: 4 }];
-
-fn port_io_bus(
-    signal: &Arc<GuestExitSignal>,
-    serial: Arc<Mutex<Serial>>,
-    pci: &Arc<PciSegment>,
-) -> Result<Bus, VmmError> {
+fn port_io_bus(signal: &Arc<GuestExitSignal>, serial: Arc<Mutex<Serial>>) -> Result<Bus, VmmError> {
     let pio = Bus::new("pio");
     let add = |dev: Arc<Mutex<dyn BusDevice>>, port: u16, len: u64| pio.insert(dev, u64::from(port), len);
     add(serial, COM1_PORT, u64::from(COM1_LEN))?;
     add(Arc::new(Mutex::new(DebugExit::new(signal.clone()))), DEBUG_EXIT_PORT, 1)?;
     add(Arc::new(Mutex::new(I8042::new(signal.clone()))), I8042::PORT, I8042::LEN)?;
     add(Arc::new(Mutex::new(AcpiSleepControl::new(signal.clone()))), ACPI_SLEEP_PORT, u64::from(ACPI_SLEEP_LEN))?;
-    // The reset register at 0xcf9 sits inside the type-1 config ports, as on a PC.
-    debug_assert_eq!(ACPI_RESET_PORT, CONFIG_IO_PORT + 1);
-    let reset = Box::new(ResetRegister::new(signal.clone()));
-    add(Arc::new(Mutex::new(ConfigIo::new(pci.clone(), reset))), CONFIG_IO_PORT, CONFIG_IO_LEN)?;
+    // The PC reset register alone: there is no type-1 configuration mechanism around it
+    // (see `pci`), so the rest of 0xcf8-0xcff reads as all-ones.
+    add(Arc::new(Mutex::new(ResetRegister::new(signal.clone()))), ACPI_RESET_PORT, 1)?;
     Ok(pio)
 }
 
@@ -569,8 +544,6 @@ impl ConsoleInput {
 }
 
 struct Supervisor {
-    /// Applies coalesced writes the vCPUs have not (a reset through 0xcf9).
-    flush: Option<PeriodicFlush>,
     exit_evt: EventFd,
     vcpu_done: EventFd,
     signals: StopSignals,
@@ -585,9 +558,6 @@ impl MutEventSubscriber for Supervisor {
                 tracing::error!("event loop registration failed: {err:?}");
             }
         };
-        if let Some(flush) = &self.flush {
-            add(Events::new(flush.fd(), EventSet::IN));
-        }
         add(Events::new(&self.exit_evt, EventSet::IN));
         add(Events::new(&self.vcpu_done, EventSet::IN));
         add(Events::new(&self.signals, EventSet::IN));
@@ -599,9 +569,7 @@ impl MutEventSubscriber for Supervisor {
 
     fn process(&mut self, events: Events, ops: &mut EventOps) {
         let fd = events.fd();
-        if let Some(flush) = self.flush.as_mut().filter(|f| f.fd().as_raw_fd() == fd) {
-            flush.fire();
-        } else if fd == self.exit_evt.as_raw_fd() {
+        if fd == self.exit_evt.as_raw_fd() {
             let _ = self.exit_evt.read();
             self.stop.get_or_insert(StopCause::Guest);
         } else if fd == self.vcpu_done.as_raw_fd() {

@@ -382,7 +382,7 @@ fn stats_json(report: &RunReport) -> serde_json::Value {
         "rss_beyond_guest_kib": report.rss_beyond_guest_kib,
         "unclaimed_mmio": report.unclaimed_mmio,
         "dropped_config_writes": report.dropped_config_writes,
-        "coalesced_writes": report.coalesced_writes,
+        "config_images": report.config_images,
         "vmm_exits": report.exits.total(),
         "vmm_exit_kinds": report
             .exits

@@ -12,7 +12,6 @@ use kvm_ioctls::{VcpuExit, VcpuFd};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 use crate::boot::{BootEntry, EntryMode};
-use crate::coalesced::CoalescedRing;
 use crate::cpu_topology::CpuPlace;
 use crate::stats::{ExitKind, ExitTally, VcpuTally};
 
@@ -406,8 +405,6 @@ pub struct ExitContext {
     pub pio: Arc<Bus>,
     /// MMIO devices.
     pub mmio: Arc<Bus>,
-    /// KVM's ring of coalesced writes, applied before every exit is served.
-    pub coalesced: Option<Arc<CoalescedRing>>,
     /// Where guest power-off and reset requests go.
     pub signal: Arc<GuestExitSignal>,
     /// Set by the VMM to make every vCPU leave its loop.
@@ -422,12 +419,7 @@ pub fn run(mut vcpu: VcpuFd, id: u32, ctx: &ExitContext) -> Result<(), VcpuError
     let mut exits = VcpuTally::new(&ctx.exits);
     let count = &mut exits.tally;
     while !ctx.stop.load(Ordering::Acquire) {
-        let exit = vcpu.run();
-        // Writes KVM kept back reach their devices before anything the guest did after them.
-        if let Some(ring) = &ctx.coalesced {
-            ring.drain(&ctx.pio, &ctx.mmio);
-        }
-        match exit {
+        match vcpu.run() {
             Ok(VcpuExit::IoIn(port, data)) => {
                 ctx.pio.read(u64::from(port), data);
                 count.count(ExitKind::Pio(port));

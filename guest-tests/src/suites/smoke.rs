@@ -9,6 +9,13 @@ use crate::ktap::{Check, Verdict};
 /// contain the word (the SRSO mitigation notice) from failing the check.
 const BAD_LOG_MARKERS: &[&str] =
     &["ACPI Error", "ACPI BIOS Error", "BUG:", "WARNING: CPU:", "[Firmware Bug]", "[Firmware Warn]", "PCI: Fatal"];
+/// What x86 Linux logs at `pci_arch_init` on a machine with ECAM as its only configuration
+/// mechanism (gdrvm, QEMU's `microvm` with PCIe): no type-1 ports, and the early MMCONFIG
+/// check needs them. Harmless when [`ECAM_TAKEN`] follows, as nothing reads configuration
+/// space before `acpi_init` takes ECAM from MCFG; without it, PCI really has no access.
+const NO_EARLY_ACCESS: &str = "PCI: Fatal: No config space access function found";
+/// Linux taking ECAM from MCFG once ACPI is up (`pci_mmcfg_late_init`).
+const ECAM_TAKEN: &str = "reserved in ACPI motherboard resources";
 /// How far the kernel's view of RAM may be from what the VMM gave it.
 const MEMORY_TOLERANCE: f64 = 0.05;
 
@@ -117,7 +124,12 @@ fn kernel_log_clean(ctx: &Context) -> Check {
         Ok(log) => log,
         Err(e) => return Check::new("kernel_log_clean", Verdict::Skip(format!("cannot read the kernel log: {e}"))),
     };
-    let bad: Vec<&str> = log.lines().filter(|l| BAD_LOG_MARKERS.iter().any(|m| l.contains(m))).collect();
+    let ecam_taken = log.lines().any(|l| l.contains("PCI: MMCONFIG at") && l.contains(ECAM_TAKEN));
+    let bad: Vec<&str> = log
+        .lines()
+        .filter(|l| BAD_LOG_MARKERS.iter().any(|m| l.contains(m)))
+        .filter(|l| !(ecam_taken && l.contains(NO_EARLY_ACCESS)))
+        .collect();
     if bad.is_empty() {
         return Check::new("kernel_log_clean", Verdict::Pass);
     }
@@ -218,6 +230,16 @@ mod tests {
         let log_check = checks.iter().find(|c| c.name == "kernel_log_clean").unwrap();
         assert_eq!(log_check.diagnostics.len(), 1);
         assert!(log_check.diagnostics[0].contains("xstate.c:606"));
+    }
+
+    #[test]
+    fn test_no_early_pci_access_is_clean_only_when_ecam_follows() {
+        let root = fake_root("0-1\n", "6.1.0-57-amd64\n");
+        let fatal = "[    0.55] PCI: Fatal: No config space access function found\n";
+        let ecam = "[    0.60] PCI: MMCONFIG at [mem 0xe0000000-0xe00fffff] reserved in ACPI motherboard resources\n";
+        let check = |log: &str| run(&ctx(root.path(), log)).into_iter().find(|c| c.name == "kernel_log_clean").unwrap();
+        assert_eq!(check(&format!("{GOOD_LOG}{fatal}{ecam}")).verdict, Verdict::Pass);
+        assert!(matches!(check(&format!("{GOOD_LOG}{fatal}")).verdict, Verdict::Fail(_)), "no ECAM after it");
     }
 
     #[test]

@@ -1,11 +1,19 @@
-//! PCI segment 0 as the guest reaches it: every function of the node's tree behind ECAM
-//! (MMIO, one exit per access) and the legacy type-1 mechanism at ports 0xcf8/0xcfc, which
-//! Linux probes first and then uses for the first 256 bytes.
+//! PCI segment 0 as the guest reaches it: every function of the node's tree behind ECAM,
+//! the only configuration mechanism. Functions the VMM alone answers are also imaged
+//! ([`ConfigImages`]) for KVM to map read-only over their ECAM pages, so that only writes
+//! exit; a device's function exits on every access.
+//!
+//! There is no type-1 mechanism at ports 0xcf8/0xcfc, as on QEMU's `microvm` with PCIe and
+//! on arm64: Linux finds it missing (its probe reads 0xcf8 back as all-ones), and then uses
+//! ECAM from MCFG for all of configuration space. Were type 1 there, Linux would use it for
+//! the first 256 bytes of every function, two port exits an access, and nothing could be
+//! mapped. Port 0xcf9, the PC reset register, stays (`machine.rs`).
 //!
 //! Written by hand: no rust-vmm crate models PCI-to-PCI bridges or PCIe ports, and Cloud
 //! Hypervisor's and crosvm's PCI buses are tied to their own device managers.
 
 mod function;
+mod image;
 
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
@@ -14,6 +22,7 @@ use gdrvm_model::node::Node;
 
 pub use function::{Backend, PciFunction};
 pub use gdrvm_devices::{ConfigSpace, ACS_CAPABILITIES, CONFIG_SPACE_SIZE};
+pub use image::{ConfigImages, ImagePage};
 
 /// Applies what a configuration write meant (BARs moved, decode switched, MSI-X enabled)
 /// to the machine; called after the function's lock is released.
@@ -24,10 +33,6 @@ pub trait ApplyEffects: Send + Sync {
 
 /// No function at this bus/device/function.
 const ABSENT: u16 = u16::MAX;
-/// First I/O port of the type-1 configuration mechanism (address register).
-pub const CONFIG_IO_PORT: u16 = 0xcf8;
-/// Ports it covers: the address register (0xcf8) and the data window (0xcfc-0xcff).
-pub const CONFIG_IO_LEN: u64 = 8;
 
 /// The functions of one PCI segment, by bus, device and function. Each function has its
 /// own lock: a configuration access locks only the function it reaches.
@@ -35,6 +40,8 @@ pub struct PciSegment {
     /// Index into `functions` for each `bus << 8 | device << 3 | function`.
     index: Box<[u16; 65536]>,
     functions: Vec<Mutex<PciFunction>>,
+    /// Images of the functions without a device, kept equal to their configuration space.
+    images: ConfigImages,
     /// Weak: the sink (the device wiring) reaches the segment's buses; its owner keeps it.
     effects: OnceLock<Weak<dyn ApplyEffects>>,
 }
@@ -46,14 +53,37 @@ impl PciSegment {
         PciSegment::with_functions(node, functions.collect())
     }
 
-    /// The segment holding `functions`, one per function of `node`, in the node's order.
+    /// The segment holding `functions`, one per function of `node`, in the node's order,
+    /// with an image of each that has no device behind it.
     pub fn with_functions(node: &Node, functions: Vec<PciFunction>) -> Self {
         let mut index = Box::new([ABSENT; 65536]);
+        let mut offsets = Vec::with_capacity(node.functions.len());
         for (i, f) in node.functions.iter().enumerate() {
             let slot = usize::from(f.bdf.bus) << 8 | usize::from(f.bdf.device) << 3 | usize::from(f.bdf.function);
             index[slot] = i as u16;
+            offsets.push((slot as u64) << 12);
         }
-        PciSegment { index, functions: functions.into_iter().map(Mutex::new).collect(), effects: OnceLock::new() }
+        let imaged = functions
+            .iter()
+            .zip(offsets)
+            .enumerate()
+            .filter(|(_, (f, _))| f.backend().is_none())
+            .map(|(i, (f, offset))| (i, offset, f.config()));
+        let images = ConfigImages::new(functions.len(), imaged).unwrap_or_else(|e| {
+            tracing::warn!("cannot allocate configuration images ({e}): every configuration read exits");
+            ConfigImages::none(functions.len())
+        });
+        PciSegment {
+            index,
+            functions: functions.into_iter().map(Mutex::new).collect(),
+            images,
+            effects: OnceLock::new(),
+        }
+    }
+
+    /// The images of the functions without a device, for KVM to map over their ECAM pages.
+    pub fn images(&self) -> &ConfigImages {
+        &self.images
     }
 
     /// Sends the effects of configuration writes to `sink` from now on (set once), for
@@ -86,7 +116,13 @@ impl PciSegment {
     /// what the write meant, with the function's lock released.
     pub fn write(&self, bus: u8, devfn: u8, offset: usize, data: &[u8]) {
         let Some((i, f)) = self.find(bus, devfn) else { return };
-        let effects = lock(f).write(offset, data);
+        let effects = {
+            let mut f = lock(f);
+            let effects = f.write(offset, data);
+            // Under the lock, so that concurrent writes leave the image as the last one.
+            self.images.update(i, f.config());
+            effects
+        };
         if !effects.is_empty() {
             if let Some(sink) = self.effects.get().and_then(Weak::upgrade) {
                 sink.apply(i, effects);
@@ -117,57 +153,6 @@ impl BusDevice for Ecam {
     fn write(&mut self, offset: u64, data: &[u8]) {
         if let Some((bus, devfn, reg)) = Ecam::decode(offset, data.len()) {
             self.0.write(bus, devfn, reg, data);
-        }
-    }
-}
-
-/// The type-1 mechanism: a 32-bit address register at 0xcf8 (enable bit 31, bus 23:16,
-/// device 15:11, function 10:8, register 7:2) and the data window at 0xcfc. A byte access
-/// at 0xcf9 is the PC reset control register, handed to `reset`.
-pub struct ConfigIo {
-    segment: Arc<PciSegment>,
-    address: u32,
-    reset: Box<dyn BusDevice>,
-}
-
-impl ConfigIo {
-    /// The mechanism over `segment`, with `reset` behind port 0xcf9.
-    pub fn new(segment: Arc<PciSegment>, reset: Box<dyn BusDevice>) -> Self {
-        ConfigIo { segment, address: 0, reset }
-    }
-
-    /// Bus, devfn and register the data window at `offset` (4 to 7) reaches, if enabled.
-    fn target(&self, offset: u64, len: usize) -> Option<(u8, u8, usize)> {
-        let byte = (offset - 4) as usize;
-        (self.address & 0x8000_0000 != 0 && byte + len <= 4)
-            .then(|| ((self.address >> 16) as u8, (self.address >> 8) as u8, (self.address & 0xfc) as usize + byte))
-    }
-}
-
-impl BusDevice for ConfigIo {
-    fn read(&mut self, offset: u64, data: &mut [u8]) {
-        match (offset, data.len()) {
-            (0, 4) => data.copy_from_slice(&self.address.to_le_bytes()),
-            (1, 1) => self.reset.read(0, data),
-            (4..=7, len) => match self.target(offset, len) {
-                Some((bus, devfn, reg)) => self.segment.read(bus, devfn, reg, data),
-                None => data.fill(0xff),
-            },
-            _ => data.fill(0xff),
-        }
-    }
-
-    fn write(&mut self, offset: u64, data: &[u8]) {
-        match (offset, data) {
-            (0, &[a, b, c, d]) => self.address = u32::from_le_bytes([a, b, c, d]) & 0x80ff_fffc,
-            (1, [_]) => self.reset.write(0, data),
-            (4..=7, _) => {
-                if let Some((bus, devfn, reg)) = self.target(offset, data.len()) {
-                    self.segment.write(bus, devfn, reg, data);
-                }
-            }
-            // Byte writes elsewhere (Linux writes 0x01 to 0xcfb while probing) do nothing.
-            _ => {}
         }
     }
 }

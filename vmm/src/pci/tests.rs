@@ -1,5 +1,4 @@
 use gdrvm_devices::pci_regs::*;
-use gdrvm_devices::ResetRegister;
 use gdrvm_model::layout::ECAM_SIZE;
 use gdrvm_model::node::{FunctionKind, Node};
 
@@ -171,31 +170,42 @@ fn test_capabilities_tell_port_type_link_acs_ats() {
     assert_eq!(capabilities(&mut e, 0, 0), (vec![], vec![]));
 }
 
+/// Every function's configuration space as ECAM reads it, dword by dword.
+fn read_all(e: &mut Ecam, node: &Node, i: usize) -> Vec<u8> {
+    let bdf = node.functions[i].bdf;
+    (0..CONFIG_SPACE_SIZE / 4)
+        .flat_map(|n| read32(e, ecam(bdf.bus, bdf.device, bdf.function, n * 4)).to_le_bytes())
+        .collect()
+}
+
 #[test]
-fn test_type1_config_ports_and_reset_register() {
-    let signal = Arc::new(gdrvm_devices::GuestExitSignal::new().unwrap());
-    let mut io = ConfigIo::new(segment(), Box::new(ResetRegister::new(signal.clone())));
-    let select = |io: &mut ConfigIo, bus: u32, dev: u32, reg: u32| {
-        io.write(0, &(0x8000_0000 | bus << 16 | dev << 11 | reg).to_le_bytes());
-    };
-    select(&mut io, 3, 0, 0);
-    let mut w = [0u8; 4];
-    io.read(4, &mut w);
-    assert_eq!(u32::from_le_bytes(w), 0x20b2_10de);
-    let mut h = [0u8; 2];
-    io.read(6, &mut h);
-    assert_eq!(u16::from_le_bytes(h), 0x20b2);
-    io.read(0, &mut w);
-    assert_eq!(u32::from_le_bytes(w), 0x8003_0000);
-    // Enable bit clear: the data port reads all-ones.
-    io.write(0, &0x0003_0000u32.to_le_bytes());
-    io.read(4, &mut w);
-    assert_eq!(w, [0xff; 4]);
-    // Linux's probe writes one byte to 0xcfb: harmless.
-    io.write(3, &[1]);
-    assert_eq!(signal.exit(), None);
-    io.write(1, &[gdrvm_devices::ACPI_RESET_VALUE]);
-    assert_eq!(signal.exit(), Some(gdrvm_devices::GuestExit::Reset));
+fn test_images_are_what_ecam_reads_after_any_writes() {
+    let node = minimal();
+    let pci = segment();
+    let mut e = Ecam(pci.clone());
+    // Nothing stands behind any function here: every one is imaged, in its own page.
+    let pages = pci.images().pages();
+    assert_eq!(pages.len(), node.functions.len());
+    for (i, f) in node.functions.iter().enumerate() {
+        let offset = (u64::from(f.bdf.bus) << 20) | (u64::from(f.bdf.device) << 15) | (u64::from(f.bdf.function) << 12);
+        assert!(pages.iter().any(|p| p.ecam_offset == offset), "{} not imaged", f.key);
+        assert_eq!(pci.images().image(i).unwrap(), read_all(&mut e, &node, i), "{} before any write", f.key);
+    }
+    // BAR sizing, bus numbers, windows, command, and garbage everywhere.
+    let gpu = |reg| ecam(3, 0, 0, reg);
+    e.write(gpu(0x10), &u32::MAX.to_le_bytes());
+    e.write(ecam(0, 1, 0, 0x18), &0x00ff_0100u32.to_le_bytes());
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    for _ in 0..20_000 {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let f = &node.functions[(x >> 33) as usize % node.functions.len()];
+        let reg = (x >> 40) as usize % CONFIG_SPACE_SIZE;
+        let len = [1, 2, 4][(x >> 60) as usize % 3];
+        e.write(ecam(f.bdf.bus, f.bdf.device, f.bdf.function, reg), &x.to_le_bytes()[..len]);
+    }
+    for (i, f) in node.functions.iter().enumerate() {
+        assert_eq!(pci.images().image(i).unwrap(), read_all(&mut e, &node, i), "{} after writes", f.key);
+    }
 }
 
 #[test]

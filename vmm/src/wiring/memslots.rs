@@ -9,7 +9,7 @@ use std::os::fd::AsRawFd;
 use std::sync::Mutex;
 
 use gdrvm_devices::lock;
-use kvm_bindings::kvm_userspace_memory_region;
+use kvm_bindings::{kvm_userspace_memory_region, KVM_MEM_READONLY};
 use kvm_ioctls::{IoEventAddress, NoDatamatch, VmFd};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -168,6 +168,16 @@ impl MemorySlots {
 
     /// Gives KVM `len` bytes at host address `host` as guest memory at `gpa`; returns the slot.
     pub fn add(&self, gpa: u64, host: u64, len: u64) -> Result<u32, MemslotError> {
+        self.add_with(gpa, host, len, 0)
+    }
+
+    /// As [`MemorySlots::add`], read-only: guest writes there exit to the VMM as MMIO
+    /// writes (KVM_MEM_READONLY).
+    pub fn add_readonly(&self, gpa: u64, host: u64, len: u64) -> Result<u32, MemslotError> {
+        self.add_with(gpa, host, len, KVM_MEM_READONLY)
+    }
+
+    fn add_with(&self, gpa: u64, host: u64, len: u64, flags: u32) -> Result<u32, MemslotError> {
         let slot = match lock(&self.free).pop() {
             Some(s) => s,
             None => {
@@ -179,15 +189,10 @@ impl MemorySlots {
                 *next - 1
             }
         };
-        let region = kvm_userspace_memory_region {
-            slot,
-            guest_phys_addr: gpa,
-            memory_size: len,
-            userspace_addr: host,
-            flags: 0,
-        };
-        // SAFETY: `host..host + len` is a live mapping (a `DeviceMemory`) that its owner keeps
-        // until it has removed this slot.
+        let region =
+            kvm_userspace_memory_region { slot, guest_phys_addr: gpa, memory_size: len, userspace_addr: host, flags };
+        // SAFETY: `host..host + len` is a live mapping (a `DeviceMemory`, a configuration
+        // image) that its owner keeps until it has removed this slot.
         unsafe { self.vm.set_region(region) }.map_err(|source| {
             lock(&self.free).push(slot);
             MemslotError::Kvm { what: "add", slot, gpa, source }

@@ -159,8 +159,17 @@ pub struct DeviceWiring {
     slots: Arc<MemorySlots>,
     dma: Mutex<DmaSpace>,
     wired: BTreeMap<usize, Mutex<Wired>>,
+    /// The configuration images KVM maps.
+    images: Mutex<Option<MappedImages>>,
     /// Emulator processes, stopped after the devices they serve are dropped.
     _emulators: Vec<Emulator>,
+}
+
+/// Configuration images given to KVM: their slots (with guest addresses), and the segment
+/// that holds their memory, kept until the slots are gone.
+struct MappedImages {
+    _segment: Arc<PciSegment>,
+    slots: Vec<(u32, u64)>,
 }
 
 /// One range of guest RAM, as the DMA space needs it.
@@ -327,7 +336,9 @@ impl DeviceWiring {
             wired.insert(i, Mutex::new(w));
         }
         let slots = Arc::new(MemorySlots::new(parts.memory.clone(), KVM_SLOTS));
-        Ok((Arc::new(DeviceWiring { parts, slots, dma: Mutex::new(dma), wired, _emulators: emulators }), functions))
+        let wiring =
+            DeviceWiring { parts, slots, dma: Mutex::new(dma), wired, images: Mutex::new(None), _emulators: emulators };
+        Ok((Arc::new(wiring), functions))
     }
 
     /// Resets every device, then turns on memory decode of every function with a device
@@ -343,6 +354,27 @@ impl DeviceWiring {
             let devfn = bdf.device << 3 | bdf.function;
             pci.write(bdf.bus, devfn, PCI_COMMAND, &PCI_COMMAND_MEMORY.to_le_bytes());
         }
+    }
+
+    /// Maps `pci`'s configuration images read-only over their functions' ECAM pages
+    /// (ECAM at `ecam_base`), so that the guest reads those functions without an exit.
+    /// A page KVM refuses is left to exit on reads too, with a warning.
+    pub fn map_config_images(&self, pci: &Arc<PciSegment>, ecam_base: u64) {
+        let mut slots = Vec::new();
+        for page in pci.images().pages() {
+            let gpa = ecam_base + page.ecam_offset;
+            let len = gdrvm_devices::CONFIG_SPACE_SIZE as u64;
+            match self.slots.add_readonly(gpa, page.host_addr, len) {
+                Ok(slot) => slots.push((slot, gpa)),
+                Err(e) => tracing::warn!("configuration image at {gpa:#x}: {e}; its reads exit"),
+            }
+        }
+        *lock(&self.images) = Some(MappedImages { _segment: pci.clone(), slots });
+    }
+
+    /// Configuration images KVM maps.
+    pub fn config_images(&self) -> usize {
+        lock(&self.images).as_ref().map_or(0, |m| m.slots.len())
     }
 
     /// Configuration writes the devices' firewalls dropped, over all devices.
@@ -634,6 +666,14 @@ impl ApplyEffects for DeviceWiring {
 
 impl Drop for DeviceWiring {
     fn drop(&mut self) {
+        // The images' slots go before the segment holding their memory can.
+        if let Some(images) = lock(&self.images).take() {
+            for (slot, gpa) in images.slots {
+                if let Err(e) = self.slots.remove(slot, gpa) {
+                    tracing::warn!("configuration image at {gpa:#x}: {e}");
+                }
+            }
+        }
         for w in self.wired.values() {
             let mut w = lock(w);
             let placed: Vec<u8> = w.placed.keys().copied().collect();

@@ -11,7 +11,7 @@ use gdrvm_devices::{
 };
 use gdrvm_model::host_pci::HostBdf;
 use gdrvm_model::node::{Backing, Node};
-use kvm_bindings::{kvm_irq_routing_entry, kvm_userspace_memory_region, KVM_IRQ_ROUTING_MSI};
+use kvm_bindings::{kvm_irq_routing_entry, kvm_userspace_memory_region, KVM_IRQ_ROUTING_MSI, KVM_MEM_READONLY};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::*;
@@ -460,4 +460,31 @@ fn test_a_long_run_is_given_to_kvm_a_touched_chunk_at_a_time() {
     lock(&given).closed = true;
     gdrvm_devices::BusDevice::read(&mut run, 0, &mut b);
     assert_eq!((added().len(), b), (3, [0xff; 4]));
+}
+
+#[test]
+fn test_configuration_images_are_mapped_read_only_and_removed_first() {
+    let Machine { seen, node, nic, pci, wiring, .. } = machine();
+    let before = lock(&seen).slots.len();
+    wiring.map_config_images(&pci, gdrvm_model::layout::ECAM_BASE);
+    let added: Vec<kvm_userspace_memory_region> = lock(&seen).slots[before..].to_vec();
+    // One read-only page for each function with nothing behind it, at its ECAM address;
+    // none for the NIC, whose device answers its own registers.
+    let ecam = |i: usize| {
+        let b = node.functions[i].bdf;
+        gdrvm_model::layout::ECAM_BASE
+            + ((u64::from(b.bus) << 20) | (u64::from(b.device) << 15) | (u64::from(b.function) << 12))
+    };
+    let mut gpas: Vec<u64> = added.iter().map(|r| r.guest_phys_addr).collect();
+    gpas.sort_unstable();
+    let mut want: Vec<u64> = (0..node.functions.len()).filter(|&i| i != nic).map(ecam).collect();
+    want.sort_unstable();
+    assert_eq!(gpas, want);
+    assert!(added.iter().all(|r| r.flags == KVM_MEM_READONLY && r.memory_size == 4096), "{added:?}");
+    assert_eq!(wiring.config_images(), node.functions.len() - 1);
+    assert!(!pci.images().is_imaged(nic));
+    // Dropping the wiring removes those slots while the segment (their memory) lives.
+    drop(wiring);
+    let removed: Vec<u32> = lock(&seen).slots.iter().filter(|r| r.memory_size == 0).map(|r| r.slot).collect();
+    assert!(added.iter().all(|r| removed.contains(&r.slot)), "image slots left in KVM");
 }

@@ -1,0 +1,125 @@
+//! Read-only images of the configuration spaces the VMM alone answers (host bridge, root
+//! and switch ports, endpoints with nothing behind them), for KVM to map over those
+//! functions' 4 KiB of ECAM as read-only guest memory.
+//!
+//! Linux reads each function's configuration space about a hundred times at boot (the
+//! capability lists, link and slot registers, the extended list from 0x100) and writes it
+//! a few dozen times. With the image mapped a read costs no exit; a write still exits, as
+//! KVM turns a guest write to read-only memory into an MMIO exit, reaches the segment, and
+//! the segment brings the image up to date, under the function's lock, before the vCPU
+//! resumes. A vCPU's own reads after its write therefore see it.
+//!
+//! Only functions with no device behind them are imaged: a device changes registers of
+//! its own (status, link state) without any write, so reads of its function must reach it.
+//! Such a function's registers are all the VMM's [`ConfigSpace`], which changes only on
+//! writes.
+//!
+//! Written by hand: no rust-vmm crate maps configuration space into the guest; QEMU and
+//! Cloud Hypervisor trap every ECAM access.
+
+use std::sync::atomic::Ordering;
+
+use vm_memory::mmap::MmapRegion;
+use vm_memory::{Bytes, VolatileMemory};
+
+use super::{ConfigSpace, CONFIG_SPACE_SIZE};
+
+/// One function's image: where it belongs in ECAM and where it lies in this process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ImagePage {
+    /// Offset of the function's configuration space in ECAM (`bus << 20 | devfn << 12`).
+    pub ecam_offset: u64,
+    /// Host address of its 4 KiB image.
+    pub host_addr: u64,
+}
+
+/// The images of a segment's imaged functions, one page each, in one anonymous mapping.
+pub struct ConfigImages {
+    /// The pages; `None` when no function is imaged.
+    memory: Option<MmapRegion<()>>,
+    /// For each function of the node, its page in `memory`, if it is imaged.
+    page_of: Vec<Option<usize>>,
+    /// For each page, the ECAM offset of its function.
+    ecam_offsets: Vec<u64>,
+}
+
+impl ConfigImages {
+    /// Images of the functions `imaged` names (index in the node, ECAM offset, the
+    /// function's configuration space now), out of `count` functions in the node.
+    pub fn new<'a>(
+        count: usize,
+        imaged: impl IntoIterator<Item = (usize, u64, &'a ConfigSpace)>,
+    ) -> Result<Self, vm_memory::mmap::MmapRegionError> {
+        let imaged: Vec<_> = imaged.into_iter().filter(|(i, _, _)| *i < count).collect();
+        let mut page_of = vec![None; count];
+        let memory = match imaged.len() {
+            0 => None,
+            n => Some(MmapRegion::new(n * CONFIG_SPACE_SIZE)?),
+        };
+        let mut images = ConfigImages { memory, page_of: Vec::new(), ecam_offsets: Vec::new() };
+        for (page, (i, ecam_offset, _)) in imaged.iter().enumerate() {
+            page_of[*i] = Some(page);
+            images.ecam_offsets.push(*ecam_offset);
+        }
+        images.page_of = page_of;
+        for (i, _, config) in imaged {
+            images.update(i, config);
+        }
+        Ok(images)
+    }
+
+    /// No images: every configuration access exits.
+    pub fn none(count: usize) -> Self {
+        ConfigImages { memory: None, page_of: vec![None; count], ecam_offsets: Vec::new() }
+    }
+
+    /// Whether function `function` is imaged.
+    pub fn is_imaged(&self, function: usize) -> bool {
+        matches!(self.page_of.get(function), Some(Some(_)))
+    }
+
+    /// Brings function `function`'s image up to `config`, if it is imaged. Changed dwords
+    /// are stored whole (atomically), so a vCPU reading meanwhile sees each register
+    /// either before or after, never torn.
+    pub fn update(&self, function: usize, config: &ConfigSpace) {
+        let (Some(memory), Some(Some(page))) = (&self.memory, self.page_of.get(function)) else { return };
+        let image = memory.as_volatile_slice();
+        let base = page * CONFIG_SPACE_SIZE;
+        for (n, dword) in config.bytes().chunks_exact(4).enumerate() {
+            let value = u32::from_le_bytes([dword[0], dword[1], dword[2], dword[3]]);
+            let at = base + n * 4;
+            // Inside the mapping by construction (`page` < pages, `n * 4` < 4 KiB); a
+            // failure would only leave that dword stale, so it is logged, not unwrapped.
+            match image.load::<u32>(at, Ordering::Relaxed) {
+                Ok(old) if old == value => {}
+                _ => {
+                    if let Err(e) = image.store(value, at, Ordering::Release) {
+                        tracing::warn!("configuration image of function {function}: {e}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Every image, to be mapped into the guest.
+    pub fn pages(&self) -> Vec<ImagePage> {
+        let Some(memory) = &self.memory else { return Vec::new() };
+        self.ecam_offsets
+            .iter()
+            .enumerate()
+            .map(|(page, &ecam_offset)| ImagePage {
+                ecam_offset,
+                host_addr: memory.as_ptr() as u64 + (page * CONFIG_SPACE_SIZE) as u64,
+            })
+            .collect()
+    }
+
+    /// Function `function`'s image as the guest reads it through the mapping, if imaged.
+    #[cfg(test)]
+    pub fn image(&self, function: usize) -> Option<Vec<u8>> {
+        let (Some(memory), Some(Some(page))) = (&self.memory, self.page_of.get(function)) else { return None };
+        let mut data = vec![0u8; CONFIG_SPACE_SIZE];
+        memory.as_volatile_slice().read_slice(&mut data, page * CONFIG_SPACE_SIZE).ok()?;
+        Some(data)
+    }
+}
