@@ -25,6 +25,11 @@ pub struct Backend {
     pub msi: Option<(usize, MsiCapability)>,
     /// The device.
     pub device: Arc<Mutex<dyn PciDevice>>,
+    /// Whether the device's configuration bytes change only through writes the VMM passes
+    /// it and resets the VMM asks for, never by themselves: true for gdrvm's own emulators,
+    /// which serve the configuration space the VMM shows and nothing else. Such a function
+    /// is imaged like one with nothing behind it.
+    pub config_follows_writes: bool,
 }
 
 /// A function of the segment.
@@ -87,6 +92,19 @@ impl PciFunction {
         let mut effects = ConfigWriteEffects::between(&before, self.config.bytes(), &backend.bars, backend.msix_cap);
         effects.msi = msi_events;
         effects
+    }
+
+    /// Whether reads can come from an image that writes keep up to date: nothing behind
+    /// the function, or a device whose configuration follows writes.
+    pub fn imageable(&self) -> bool {
+        self.backend.as_ref().is_none_or(|b| b.config_follows_writes)
+    }
+
+    /// The whole configuration space as the guest reads it now.
+    pub fn snapshot(&self) -> Vec<u8> {
+        let mut bytes = vec![0; CONFIG_SPACE_SIZE];
+        self.read(0, &mut bytes);
+        bytes
     }
 
     /// The device behind the function, if any.

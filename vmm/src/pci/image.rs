@@ -1,6 +1,7 @@
-//! Read-only images of the configuration spaces the VMM alone answers (host bridge, root
-//! and switch ports, endpoints with nothing behind them), for KVM to map over those
-//! functions' 4 KiB of ECAM as read-only guest memory.
+//! Read-only images of configuration spaces that change only when the guest writes them
+//! (host bridge, root and switch ports, endpoints with nothing behind them, and gdrvm's
+//! own emulated devices), for KVM to map over those functions' 4 KiB of ECAM as read-only
+//! guest memory.
 //!
 //! Linux reads each function's configuration space about a hundred times at boot (the
 //! capability lists, link and slot registers, the extended list from 0x100) and writes it
@@ -9,10 +10,9 @@
 //! the segment brings the image up to date, under the function's lock, before the vCPU
 //! resumes. A vCPU's own reads after its write therefore see it.
 //!
-//! Only functions with no device behind them are imaged: a device changes registers of
-//! its own (status, link state) without any write, so reads of its function must reach it.
-//! Such a function's registers are all the VMM's [`ConfigSpace`], which changes only on
-//! writes.
+//! A passed-through or foreign vfio-user device changes registers of its own (status,
+//! link state) without any write, so reads of its function must reach it: it is not
+//! imaged ([`super::PciFunction::imageable`]).
 //!
 //! Written by hand: no rust-vmm crate maps configuration space into the guest; QEMU and
 //! Cloud Hypervisor trap every ECAM access.
@@ -22,7 +22,7 @@ use std::sync::atomic::Ordering;
 use vm_memory::mmap::MmapRegion;
 use vm_memory::{Bytes, VolatileMemory};
 
-use super::{ConfigSpace, CONFIG_SPACE_SIZE};
+use super::CONFIG_SPACE_SIZE;
 
 /// One function's image: where it belongs in ECAM and where it lies in this process.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,10 +45,11 @@ pub struct ConfigImages {
 
 impl ConfigImages {
     /// Images of the functions `imaged` names (index in the node, ECAM offset, the
-    /// function's configuration space now), out of `count` functions in the node.
-    pub fn new<'a>(
+    /// function's configuration space as the guest reads it now), out of `count` functions
+    /// in the node.
+    pub fn new(
         count: usize,
-        imaged: impl IntoIterator<Item = (usize, u64, &'a ConfigSpace)>,
+        imaged: impl IntoIterator<Item = (usize, u64, Vec<u8>)>,
     ) -> Result<Self, vm_memory::mmap::MmapRegionError> {
         let imaged: Vec<_> = imaged.into_iter().filter(|(i, _, _)| *i < count).collect();
         let mut page_of = vec![None; count];
@@ -62,8 +63,8 @@ impl ConfigImages {
             images.ecam_offsets.push(*ecam_offset);
         }
         images.page_of = page_of;
-        for (i, _, config) in imaged {
-            images.update(i, config);
+        for (i, _, bytes) in imaged {
+            images.update(i, &bytes);
         }
         Ok(images)
     }
@@ -78,14 +79,14 @@ impl ConfigImages {
         matches!(self.page_of.get(function), Some(Some(_)))
     }
 
-    /// Brings function `function`'s image up to `config`, if it is imaged. Changed dwords
-    /// are stored whole (atomically), so a vCPU reading meanwhile sees each register
-    /// either before or after, never torn.
-    pub fn update(&self, function: usize, config: &ConfigSpace) {
+    /// Brings function `function`'s image up to `bytes` (its whole configuration space),
+    /// if it is imaged. Changed dwords are stored whole (atomically), so a vCPU reading
+    /// meanwhile sees each register either before or after, never torn.
+    pub fn update(&self, function: usize, bytes: &[u8]) {
         let (Some(memory), Some(Some(page))) = (&self.memory, self.page_of.get(function)) else { return };
         let image = memory.as_volatile_slice();
         let base = page * CONFIG_SPACE_SIZE;
-        for (n, dword) in config.bytes().chunks_exact(4).enumerate() {
+        for (n, dword) in bytes.chunks_exact(4).take(CONFIG_SPACE_SIZE / 4).enumerate() {
             let value = u32::from_le_bytes([dword[0], dword[1], dword[2], dword[3]]);
             let at = base + n * 4;
             // Inside the mapping by construction (`page` < pages, `n * 4` < 4 KiB); a

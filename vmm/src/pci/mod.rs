@@ -1,7 +1,7 @@
 //! PCI segment 0 as the guest reaches it: every function of the node's tree behind ECAM,
-//! the only configuration mechanism. Functions the VMM alone answers are also imaged
-//! ([`ConfigImages`]) for KVM to map read-only over their ECAM pages, so that only writes
-//! exit; a device's function exits on every access.
+//! the only configuration mechanism. Functions whose configuration changes only on writes
+//! are also imaged ([`ConfigImages`]) for KVM to map read-only over their ECAM pages, so
+//! that only writes exit; a passed-through device's function exits on every access.
 //!
 //! There is no type-1 mechanism at ports 0xcf8/0xcfc, as on QEMU's `microvm` with PCIe and
 //! on arm64: Linux finds it missing (its probe reads 0xcf8 back as all-ones), and then uses
@@ -40,7 +40,7 @@ pub struct PciSegment {
     /// Index into `functions` for each `bus << 8 | device << 3 | function`.
     index: Box<[u16; 65536]>,
     functions: Vec<Mutex<PciFunction>>,
-    /// Images of the functions without a device, kept equal to their configuration space.
+    /// Images of the imageable functions, kept equal to their configuration space.
     images: ConfigImages,
     /// Weak: the sink (the device wiring) reaches the segment's buses; its owner keeps it.
     effects: OnceLock<Weak<dyn ApplyEffects>>,
@@ -54,7 +54,7 @@ impl PciSegment {
     }
 
     /// The segment holding `functions`, one per function of `node`, in the node's order,
-    /// with an image of each that has no device behind it.
+    /// with an image of each that is [`PciFunction::imageable`].
     pub fn with_functions(node: &Node, functions: Vec<PciFunction>) -> Self {
         let mut index = Box::new([ABSENT; 65536]);
         let mut offsets = Vec::with_capacity(node.functions.len());
@@ -67,8 +67,8 @@ impl PciSegment {
             .iter()
             .zip(offsets)
             .enumerate()
-            .filter(|(_, (f, _))| f.backend().is_none())
-            .map(|(i, (f, offset))| (i, offset, f.config()));
+            .filter(|(_, (f, _))| f.imageable())
+            .map(|(i, (f, offset))| (i, offset, f.snapshot()));
         let images = ConfigImages::new(functions.len(), imaged).unwrap_or_else(|e| {
             tracing::warn!("cannot allocate configuration images ({e}): every configuration read exits");
             ConfigImages::none(functions.len())
@@ -81,7 +81,7 @@ impl PciSegment {
         }
     }
 
-    /// The images of the functions without a device, for KVM to map over their ECAM pages.
+    /// The images of the imageable functions, for KVM to map over their ECAM pages.
     pub fn images(&self) -> &ConfigImages {
         &self.images
     }
@@ -119,8 +119,12 @@ impl PciSegment {
         let effects = {
             let mut f = lock(f);
             let effects = f.write(offset, data);
-            // Under the lock, so that concurrent writes leave the image as the last one.
-            self.images.update(i, f.config());
+            // Under the lock, so that concurrent writes leave the image as the last one. A
+            // device's bytes are read back after its write: a posted vfio-user write is
+            // ordered before that read.
+            if self.images.is_imaged(i) {
+                self.images.update(i, &f.snapshot());
+            }
             effects
         };
         if !effects.is_empty() {

@@ -596,6 +596,7 @@ fn wire_device(
         bars: bars.clone(),
         msix_cap: layout.map(|l| l.cap),
         msi: emulated_msi,
+        config_follows_writes: emulator::program(&f.backing).is_some(),
     };
     let function = PciFunction::backed(ConfigSpace::for_passthrough(node, i, backend.msix_cap), backend);
     let intx = pin

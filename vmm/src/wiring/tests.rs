@@ -488,3 +488,26 @@ fn test_configuration_images_are_mapped_read_only_and_removed_first() {
     let removed: Vec<u32> = lock(&seen).slots.iter().filter(|r| r.memory_size == 0).map(|r| r.slot).collect();
     assert!(added.iter().all(|r| removed.contains(&r.slot)), "image slots left in KVM");
 }
+
+#[test]
+fn test_an_emulated_function_is_imaged_and_its_image_follows_writes() {
+    let m = machine_on(Node::preset("minimal").unwrap().unwrap(), &["nic0"], Backing::EmulatedNic);
+    assert!(m.pci.images().is_imaged(m.nic), "gdrvm's own emulator changes its configuration only on writes");
+    let b = m.node.functions[m.nic].bdf;
+    let ecam = gdrvm_model::layout::ECAM_BASE
+        + ((u64::from(b.bus) << 20) | (u64::from(b.device) << 15) | (u64::from(b.function) << 12));
+    let read_all = || {
+        let mut bytes = vec![0u8; 4096];
+        for (n, dword) in bytes.chunks_exact_mut(4).enumerate() {
+            m.mmio.read(ecam + n as u64 * 4, dword);
+        }
+        bytes
+    };
+    assert_eq!(m.pci.images().image(m.nic).unwrap(), read_all(), "at start");
+    // BAR sizing (the VMM's bytes), a command write and one into the device's own bytes.
+    m.config_write(0x10, &u32::MAX.to_le_bytes());
+    m.config_write(PCI_COMMAND, &(PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER).to_le_bytes());
+    m.config_write(0x40, &0x1234_5678u32.to_le_bytes());
+    assert_eq!(m.pci.images().image(m.nic).unwrap(), read_all(), "after writes");
+    assert_ne!(m.pci.images().image(m.nic).unwrap()[0x10..0x14], m.bar0().to_le_bytes()[..4], "sizing shows");
+}
