@@ -67,6 +67,13 @@ impl Emulator {
         let mut command = Command::new(&path);
         command.args(["--fd", &CHILD_FD.to_string(), "--node", &node.source, "--function", &f.name]);
         command.args(&f.emulator_args);
+        // Its own process group: Ctrl-C (SIGINT to the terminal's foreground group) and
+        // group kills (`timeout`, a CI runner) reach the VMM alone, which stops the guest,
+        // tears the device down through this connection, then closes it, and the emulator
+        // exits. In the VMM's group it died with it and the teardown failed (DMA unmaps,
+        // resets) with errors. It still dies with the VMM (`PR_SET_PDEATHSIG` below).
+        command.process_group(0);
+        command.stdin(std::process::Stdio::null());
         // SAFETY: the closure runs in the child between fork and exec and calls only
         // async-signal-safe functions (dup2, fcntl, prctl, getppid) on descriptors the
         // parent keeps open until `spawn` returns.
@@ -116,5 +123,31 @@ impl Drop for Emulator {
         tracing::warn!("{} did not exit within {STOP_GRACE:?} of its socket closing: killed", self.name);
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_an_emulator_runs_in_its_own_process_group() {
+        let node = Node::preset("minimal").unwrap().unwrap();
+        let Some(gpu) = node.functions.iter().position(|f| f.backing == Backing::EmulatedGpu) else {
+            panic!("minimal has an emulated GPU");
+        };
+        // The test binary lives in target/<profile>/deps; the emulators one level up.
+        let dir = std::env::current_exe().ok().and_then(|exe| exe.parent()?.parent().map(PathBuf::from));
+        let Some(dir) = dir.filter(|d| d.join("gdrvm-gpu-emu").is_file()) else {
+            eprintln!("SKIP: gdrvm-gpu-emu is not built next to the tests (cargo build -p gdrvm-devices)");
+            return;
+        };
+        std::env::set_var(EMU_DIR_ENV, &dir);
+        let (emulator, _socket) = Emulator::start(&node, gpu).unwrap();
+        let pid = emulator.child.id() as libc::pid_t;
+        // SAFETY: getpgid reads the process table; no memory is passed.
+        let (theirs, ours) = unsafe { (libc::getpgid(pid), libc::getpgid(0)) };
+        assert_eq!(theirs, pid, "the emulator leads a process group of its own");
+        assert_ne!(theirs, ours);
     }
 }
