@@ -67,7 +67,8 @@ impl Default for L1Config {
             // TCG's `max` says family 0xf (K8), which L1's KVM passes on to every guest,
             // and for a K8 Linux looks for an AGP aperture twice at boot, reading every
             // device of all 256 buses through the type-1 ports: 33,000 exits and about
-            // 4 s of each nested boot, whatever the VMM. And no ERMS or FSRM: with them
+            // 4 s of each nested boot under QEMU (and under gdrvm before it dropped type
+            // 1 and passed `pci=noearly`). And no ERMS or FSRM: with them
             // Linux copies and clears memory with `rep movsb`/`rep stosb`, which QEMU 7.2's
             // TCG runs one byte per translated-block trip; without them it uses `rep
             // movsq` and unrolled loops. Measured: L1 ready in 3.7-4.8 s instead of 6.9 s,

@@ -55,6 +55,17 @@ pub const KVM_TSS_ADDRESS: u64 = 0xfffb_d000;
 pub const KVM_IDENTITY_MAP_ADDRESS: u64 = 0xfffb_c000;
 /// First address above 4 GiB, where RAM that does not fit below the MMIO hole resumes.
 pub const FOUR_GIB: u64 = 0x1_0000_0000;
+/// Where the platform decodes addresses itself, ahead of any BAR: ECAM, then the IOAPIC,
+/// the LAPIC and KVM's pages, up to 4 GiB. A BAR the guest moves over it is not reached
+/// there, as a root complex decodes its own ranges first; were it mapped, the guest's own
+/// configuration accesses (or interrupts) would land in the device.
+pub const PLATFORM_DECODED: std::ops::Range<u64> = ECAM_BASE..FOUR_GIB;
+
+/// Whether `size` bytes at `address` overlap [`PLATFORM_DECODED`].
+pub fn overlaps_platform(address: u64, size: u64) -> bool {
+    address < PLATFORM_DECODED.end && PLATFORM_DECODED.start < address.saturating_add(size)
+}
+
 /// End (exclusive) of the 64-bit PCI MMIO window: 46 physical address bits, what server
 /// CPUs have at least. The VMM checks the highest address against the vCPU's address bits.
 pub const MMIO64_END: u64 = 1 << 46;
@@ -151,6 +162,16 @@ mod tests {
 
     const MIB: u64 = 1 << 20;
     const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn test_platform_ranges_are_ecam_to_4g() {
+        assert!(!overlaps_platform(MMIO32_END - 0x1000, 0x1000), "the top of the 32-bit window is a BAR's");
+        assert!(overlaps_platform(MMIO32_END - 0x1000, 0x1001));
+        assert!(overlaps_platform(ECAM_BASE + (4 << 20), 0x20000));
+        assert!(overlaps_platform(LAPIC_START, 0x1000));
+        assert!(!overlaps_platform(FOUR_GIB, 1 << 30));
+        assert!(overlaps_platform(0, u64::MAX), "no overflow");
+    }
 
     #[test]
     fn test_e820_small_guest() {

@@ -155,10 +155,11 @@ fn load_kernel(mem: &GuestMemoryMmap, config: &VmConfig) -> Result<KernelLoaderR
 
 /// Kernel parameters the machine itself implies, ahead of the user's: `pci=noearly`, as
 /// there is no type-1 configuration mechanism (see `pci`). Without it Linux reads bus 0
-/// and the AMD northbridge slots through ports 0xcf8/0xcfc in `setup_arch` (early quirks,
-/// the GART aperture search), about 110 accesses and 220 exits that all read all-ones, and
-/// tries an early MMCONFIG check that needs type 1; ECAM is taken from MCFG at `acpi_init`
-/// either way.
+/// and the AMD northbridge slots through ports 0xcf8/0xcfc before it has ECAM (early
+/// quirks and the GART aperture search in `setup_arch`, the AMD root-bus probe at
+/// postcore), about 110 accesses and 220 exits that all read all-ones, and tries the
+/// early MMCONFIG check at `pci_arch_init`, which 6.1 passes only with type 1. ECAM is
+/// taken from MCFG at `acpi_init` either way.
 const MACHINE_ARGS: &str = "pci=noearly";
 
 fn write_cmdline(mem: &GuestMemoryMmap, text: &str) -> Result<(u64, usize), BootError> {

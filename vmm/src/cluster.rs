@@ -262,7 +262,8 @@ pub fn up(
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
-                // A group of its own, so that --kill takes the node's emulators too.
+                // A group of its own, so that --kill takes the node's VMM; its emulators
+                // die with it (their PR_SET_PDEATHSIG).
                 if libc::setpgid(0, 0) < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
@@ -315,7 +316,7 @@ pub fn up(
                         tracing::warn!("killing node {victim}'s VMM, as --kill asked");
                         if let Ok(c) = children[n].lock() {
                             // SAFETY: kill() of the process group this process made for the
-                            // node (its VMM and what the VMM started).
+                            // node (its VMM; the emulators it started die with it).
                             unsafe { libc::kill(-(c.id() as libc::pid_t), libc::SIGKILL) };
                         }
                         outcomes[n].killed = true;

@@ -359,9 +359,9 @@ fn check_address_bits(cpuid: &CpuId, node: &Node) -> Result<(), VmmError> {
 }
 
 /// The devices behind the node's functions, and the PCI segment that reaches them on the
-/// MMIO bus as ECAM, with its configuration images mapped where KVM can. BARs of functions with nothing behind them stay unbacked (they
-/// read as all-ones); the others are placed as the guest programs them, starting where
-/// firmware would leave them.
+/// MMIO bus as ECAM, with its configuration images mapped where KVM can. BARs of functions
+/// with nothing behind them stay unbacked (they read as all-ones); the others are placed
+/// as the guest programs them, starting where firmware would leave them.
 fn wire_devices(
     config: &VmConfig,
     vm: &Arc<VmFd>,
@@ -621,4 +621,47 @@ fn rss_beyond_guest_kib() -> Option<u64> {
             .and_then(|v| v.trim().trim_end_matches(" kB").trim().parse::<u64>().ok())
     };
     Some(field("RssAnon:")? + field("RssFile:")?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Linux's probes of the type-1 and type-2 mechanisms (`pci_check_type1`,
+    /// `pci_check_type2`) against the machine's ports: both find nothing, so Linux takes
+    /// ECAM for all of configuration space; the reset register at 0xcf9 still resets, and
+    /// only its byte does.
+    #[test]
+    fn test_linux_finds_no_type_1_or_2_and_0xcf9_still_resets() {
+        let signal = Arc::new(GuestExitSignal::new().unwrap());
+        let out = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        let serial = Arc::new(Mutex::new(Serial::new(out.try_clone().unwrap(), out, Box::new(std::io::sink()))));
+        let pio = port_io_bus(&signal, serial).unwrap();
+        let inl = |port: u64| {
+            let mut b = [0u8; 4];
+            pio.read(port, &mut b);
+            u32::from_le_bytes(b)
+        };
+        let inb = |port: u64| {
+            let mut b = [0u8; 1];
+            pio.read(port, &mut b);
+            b[0]
+        };
+        // Type 1: outb(0x01, 0xcfb); inl(0xcf8); outl(0x80000000, 0xcf8); inl(0xcf8).
+        pio.write(0xcfb, &[0x01]);
+        assert_eq!(inl(0xcf8), u32::MAX);
+        pio.write(0xcf8, &0x8000_0000u32.to_le_bytes());
+        assert_ne!(inl(0xcf8), 0x8000_0000, "type 1 must not read back");
+        // An address with every bit set, 0xcf9's reset bits included, resets nothing.
+        pio.write(0xcf8, &u32::MAX.to_le_bytes());
+        assert_eq!(signal.exit(), None);
+        // Type 2: outb(0, 0xcfb); outb(0, 0xcf8); outb(0, 0xcfa); inb(0xcf8), inb(0xcfa).
+        for port in [0xcfb, 0xcf8, 0xcfa] {
+            pio.write(port, &[0]);
+        }
+        assert_eq!((inb(0xcf8), inb(0xcfa)), (0xff, 0xff), "type 2 must not read back");
+        assert_eq!(signal.exit(), None);
+        pio.write(u64::from(ACPI_RESET_PORT), &[gdrvm_devices::ACPI_RESET_VALUE]);
+        assert_eq!(signal.exit(), Some(GuestExit::Reset));
+    }
 }

@@ -84,7 +84,7 @@ fn port_name(port: u16) -> Option<&'static str> {
         0x40..=0x43 | 0x61 => "PIT",
         0x20 | 0x21 | 0xa0 | 0xa1 | 0x4d0 | 0x4d1 => "PIC",
         0x80 => "POST delay",
-        0xcf8..=0xcff => "PCI config",
+        0xcf8..=0xcff => "PCI type 1, absent",
         0x3b0..=0x3df => "VGA",
         0x3f0..=0x3f7 => "floppy",
         0x501 => "debug exit",
@@ -189,7 +189,7 @@ mod tests {
     #[test]
     fn test_kinds_name_their_devices() {
         assert_eq!(ExitKind::Pio(0x3fd).to_string(), "pio 0x3fd (COM1)");
-        assert_eq!(ExitKind::Pio(0xcfc).to_string(), "pio 0xcfc (PCI config)");
+        assert_eq!(ExitKind::Pio(0xcfc).to_string(), "pio 0xcfc (PCI type 1, absent)");
         assert_eq!(ExitKind::Pio(0x1234).to_string(), "pio 0x1234");
         assert_eq!(ExitKind::Mmio(Some(layout::ECAM_BASE)).to_string(), "mmio 0xe0000000 (ECAM)");
         assert_eq!(ExitKind::Mmio(None).to_string(), "mmio unclaimed");

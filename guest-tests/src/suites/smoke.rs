@@ -10,12 +10,11 @@ use crate::ktap::{Check, Verdict};
 const BAD_LOG_MARKERS: &[&str] =
     &["ACPI Error", "ACPI BIOS Error", "BUG:", "WARNING: CPU:", "[Firmware Bug]", "[Firmware Warn]", "PCI: Fatal"];
 /// What x86 Linux logs at `pci_arch_init` on a machine with ECAM as its only configuration
-/// mechanism (gdrvm, QEMU's `microvm` with PCIe): no type-1 ports, and the early MMCONFIG
-/// check needs them. Harmless when [`ECAM_TAKEN`] follows, as nothing reads configuration
-/// space before `acpi_init` takes ECAM from MCFG; without it, PCI really has no access.
+/// mechanism (gdrvm, QEMU's `microvm` with PCIe): no type-1 ports, and no early ECAM
+/// (6.1's early check needs type 1; gdrvm passes `pci=noearly`). Harmless when ECAM is
+/// taken from MCFG once ACPI is up ([`ecam_taken`]), as nothing reads configuration space
+/// before `acpi_init`; without that, PCI really has no access.
 const NO_EARLY_ACCESS: &str = "PCI: Fatal: No config space access function found";
-/// Linux taking ECAM from MCFG once ACPI is up (`pci_mmcfg_late_init`).
-const ECAM_TAKEN: &str = "reserved in ACPI motherboard resources";
 /// How far the kernel's view of RAM may be from what the VMM gave it.
 const MEMORY_TOLERANCE: f64 = 0.05;
 
@@ -124,7 +123,7 @@ fn kernel_log_clean(ctx: &Context) -> Check {
         Ok(log) => log,
         Err(e) => return Check::new("kernel_log_clean", Verdict::Skip(format!("cannot read the kernel log: {e}"))),
     };
-    let ecam_taken = log.lines().any(|l| l.contains("PCI: MMCONFIG at") && l.contains(ECAM_TAKEN));
+    let ecam_taken = log.lines().any(ecam_taken);
     let bad: Vec<&str> = log
         .lines()
         .filter(|l| BAD_LOG_MARKERS.iter().any(|m| l.contains(m)))
@@ -139,6 +138,17 @@ fn kernel_log_clean(ctx: &Context) -> Check {
         check = check.note(line.trim());
     }
     check
+}
+
+/// Whether `line` is Linux accepting ECAM because ACPI reserves it (`pci_mmcfg_late_init`):
+/// "PCI: MMCONFIG at [mem ..] reserved in ACPI motherboard resources" (6.1), "..reserved
+/// as ACPI motherboard resource" (6.2 on), with ECAM for MMCONFIG in later kernels; not
+/// "[Firmware Info]: .. not reserved in ACPI motherboard resources", the refusal.
+fn ecam_taken(line: &str) -> bool {
+    (line.contains("MMCONFIG") || line.contains("ECAM"))
+        && line.contains(" reserved ")
+        && line.contains("ACPI motherboard resource")
+        && !line.contains("not reserved")
 }
 
 fn modules_loaded(ctx: &Context) -> Check {
@@ -240,6 +250,15 @@ mod tests {
         let check = |log: &str| run(&ctx(root.path(), log)).into_iter().find(|c| c.name == "kernel_log_clean").unwrap();
         assert_eq!(check(&format!("{GOOD_LOG}{fatal}{ecam}")).verdict, Verdict::Pass);
         assert!(matches!(check(&format!("{GOOD_LOG}{fatal}")).verdict, Verdict::Fail(_)), "no ECAM after it");
+        // Later kernels' wording is accepted; the refusal is not.
+        for taken in [
+            "[    0.60] PCI: MMCONFIG at [mem 0xe0000000-0xe00fffff] reserved as ACPI motherboard resource\n",
+            "[    0.60] PCI: ECAM [mem 0xe0000000-0xe00fffff] reserved as ACPI motherboard resource\n",
+        ] {
+            assert_eq!(check(&format!("{GOOD_LOG}{fatal}{taken}")).verdict, Verdict::Pass, "{taken}");
+        }
+        let refused = "[    0.60] [Firmware Info]: PCI: MMCONFIG at [mem 0xe0000000-0xe00fffff] not reserved in ACPI motherboard resources\n";
+        assert!(matches!(check(&format!("{GOOD_LOG}{fatal}{refused}")).verdict, Verdict::Fail(_)), "ECAM refused");
     }
 
     #[test]

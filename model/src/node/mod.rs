@@ -161,8 +161,8 @@ pub enum EndpointKind {
 /// What a PCI function is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FunctionKind {
-    /// The host bridge's own function at 00:00.0 (class 06/00, as on q35): firmware's
-    /// and Linux's type-1 config probe look for it.
+    /// The host bridge's own function at 00:00.0 (class 06/00, as on q35): firmware and
+    /// Linux's PCI probes look for it.
     HostBridge,
     /// A root port of a host bridge.
     RootPort,

@@ -12,7 +12,9 @@
 //!
 //! A passed-through or foreign vfio-user device changes registers of its own (status,
 //! link state) without any write, so reads of its function must reach it: it is not
-//! imaged ([`super::PciFunction::imageable`]).
+//! imaged ([`super::PciFunction::imageable`]). An emulator that dies keeps its last image
+//! until the next write to its function (the VMM logs the failure, and its BARs read
+//! all-ones at once), where the exit path would read all-ones at once.
 //!
 //! Written by hand: no rust-vmm crate maps configuration space into the guest; QEMU and
 //! Cloud Hypervisor trap every ECAM access.

@@ -81,6 +81,17 @@ impl PciSegment {
         }
     }
 
+    /// Brings every image up to its function, after something other than a guest write
+    /// changed them (the VMM resetting the devices).
+    pub fn refresh_images(&self) {
+        for (i, f) in self.functions.iter().enumerate() {
+            if self.images.is_imaged(i) {
+                let f = lock(f);
+                self.images.update(i, &f.snapshot());
+            }
+        }
+    }
+
     /// The images of the imageable functions, for KVM to map over their ECAM pages.
     pub fn images(&self) -> &ConfigImages {
         &self.images
@@ -99,11 +110,6 @@ impl PciSegment {
         self.functions.get(i).map(|f| (i, f))
     }
 
-    /// Function `i` of the node.
-    pub fn function(&self, i: usize) -> Option<&Mutex<PciFunction>> {
-        self.functions.get(i)
-    }
-
     /// Reads configuration space; an absent function reads as all-ones (no vendor).
     pub fn read(&self, bus: u8, devfn: u8, offset: usize, data: &mut [u8]) {
         match self.find(bus, devfn) {
@@ -120,8 +126,8 @@ impl PciSegment {
             let mut f = lock(f);
             let effects = f.write(offset, data);
             // Under the lock, so that concurrent writes leave the image as the last one. A
-            // device's bytes are read back after its write: a posted vfio-user write is
-            // ordered before that read.
+            // device's bytes are read back after its write, which has had its reply: an
+            // emulator rewrites its shared configuration before replying.
             if self.images.is_imaged(i) {
                 self.images.update(i, &f.snapshot());
             }

@@ -98,7 +98,8 @@ pub struct LazySlots {
 
 impl LazyRun {
     /// The chunk size for a run of `len` bytes: at least [`LAZY_ABOVE`], and at most 32
-    /// chunks, so eight fully touched 128 GiB apertures fit KVM's slots.
+    /// chunks, so eight fully touched 128 GiB apertures fit KVM's slots beside the
+    /// configuration images.
     pub fn chunk_for(len: u64) -> u64 {
         (len / 32).max(LAZY_ABOVE).next_power_of_two()
     }

@@ -50,9 +50,14 @@ impl Emulator {
     /// Starts the emulator of function `i` of `node` and returns it with the VMM's end of
     /// its vfio-user connection.
     pub fn start(node: &Node, i: usize) -> Result<(Emulator, UnixStream), String> {
+        let dir = emulator_dir().ok_or("cannot tell where gdrvm runs from to find its emulators")?;
+        Emulator::start_in(&dir, node, i)
+    }
+
+    /// As [`Emulator::start`], with the emulator binaries in `dir`.
+    fn start_in(dir: &std::path::Path, node: &Node, i: usize) -> Result<(Emulator, UnixStream), String> {
         let f = &node.functions[i];
         let program = program(&f.backing).ok_or_else(|| format!("backing {} has no emulator", f.backing))?;
-        let dir = emulator_dir().ok_or("cannot tell where gdrvm runs from to find its emulators")?;
         let path = dir.join(program);
         if !path.is_file() {
             return Err(format!(
@@ -75,7 +80,7 @@ impl Emulator {
         command.process_group(0);
         command.stdin(std::process::Stdio::null());
         // SAFETY: the closure runs in the child between fork and exec and calls only
-        // async-signal-safe functions (dup2, fcntl, prctl, getppid) on descriptors the
+        // async-signal-safe functions (dup2, fcntl, signal, prctl, getppid) on descriptors the
         // parent keeps open until `spawn` returns.
         unsafe {
             command.pre_exec(move || {
@@ -84,6 +89,11 @@ impl Emulator {
                 }
                 // dup2 onto the same number keeps close-on-exec: clear it.
                 if raw == CHILD_FD && libc::fcntl(CHILD_FD, libc::F_SETFD, 0) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // Out of the terminal's foreground group, a write to a `stty tostop`
+                // terminal would stop the emulator: let it write.
+                if libc::signal(libc::SIGTTOU, libc::SIG_IGN) == libc::SIG_ERR {
                     return Err(std::io::Error::last_os_error());
                 }
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) < 0 {
@@ -142,8 +152,7 @@ mod tests {
             eprintln!("SKIP: gdrvm-gpu-emu is not built next to the tests (cargo build -p gdrvm-devices)");
             return;
         };
-        std::env::set_var(EMU_DIR_ENV, &dir);
-        let (emulator, _socket) = Emulator::start(&node, gpu).unwrap();
+        let (emulator, _socket) = Emulator::start_in(&dir, &node, gpu).unwrap();
         let pid = emulator.child.id() as libc::pid_t;
         // SAFETY: getpgid reads the process table; no memory is passed.
         let (theirs, ours) = unsafe { (libc::getpgid(pid), libc::getpgid(0)) };

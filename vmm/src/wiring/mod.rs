@@ -47,6 +47,9 @@ pub use memslots::{MemorySink, MemslotError};
 
 /// KVM memory slots gdrvm may use (KVM offers at least 509 on x86).
 const KVM_SLOTS: u32 = 509;
+/// Of those, the most configuration images may take (one a function): the presets need
+/// up to 45, and BARs (up to 256 touched chunks of large apertures) keep the rest.
+const MAX_IMAGE_SLOTS: usize = 128;
 /// Configuration registers of a passed-through function the VMM answers: the BARs (the
 /// device's are host addresses) and the expansion ROM (none is offered).
 const VMM_OWNED: [std::ops::Range<usize>; 2] = [0x10..0x28, 0x30..0x34];
@@ -346,6 +349,7 @@ impl DeviceWiring {
     /// placed where the model put them.
     pub fn start(&self, node: &Node, pci: &PciSegment) {
         self.reset_devices();
+        pci.refresh_images();
         for w in self.wired.values() {
             lock(w).connect_intx(true);
         }
@@ -357,11 +361,24 @@ impl DeviceWiring {
     }
 
     /// Maps `pci`'s configuration images read-only over their functions' ECAM pages
-    /// (ECAM at `ecam_base`), so that the guest reads those functions without an exit.
-    /// A page KVM refuses is left to exit on reads too, with a warning.
+    /// (ECAM at `ecam_base`), so that the guest reads those functions without an exit; at
+    /// most [`MAX_IMAGE_SLOTS`], so that BARs keep most of KVM's slots. A page KVM refuses,
+    /// or one past the limit, is left to exit on reads too, with a warning. Once only.
     pub fn map_config_images(&self, pci: &Arc<PciSegment>, ecam_base: u64) {
+        let mut images = lock(&self.images);
+        if images.is_some() {
+            tracing::warn!("configuration images are mapped already");
+            return;
+        }
+        let pages = pci.images().pages();
+        if pages.len() > MAX_IMAGE_SLOTS {
+            tracing::warn!(
+                "{} functions could be imaged, {MAX_IMAGE_SLOTS} are: the others' configuration reads exit",
+                pages.len()
+            );
+        }
         let mut slots = Vec::new();
-        for page in pci.images().pages() {
+        for page in pages.into_iter().take(MAX_IMAGE_SLOTS) {
             let gpa = ecam_base + page.ecam_offset;
             let len = gdrvm_devices::CONFIG_SPACE_SIZE as u64;
             match self.slots.add_readonly(gpa, page.host_addr, len) {
@@ -369,7 +386,7 @@ impl DeviceWiring {
                 Err(e) => tracing::warn!("configuration image at {gpa:#x}: {e}; its reads exit"),
             }
         }
-        *lock(&self.images) = Some(MappedImages { _segment: pci.clone(), slots });
+        *images = Some(MappedImages { _segment: pci.clone(), slots });
     }
 
     /// Configuration images KVM maps.
@@ -398,9 +415,17 @@ impl DeviceWiring {
         }
     }
 
-    /// Places BAR `index` of `w` at `address`.
+    /// Places BAR `index` of `w` at `address`, unless that overlaps what the platform
+    /// decodes itself (ECAM, the APICs): there the BAR is not reached, as on hardware.
     fn place(&self, w: &mut Wired, index: u8, address: u64) {
         let Some(bar) = w.bars.iter().find(|b| b.index == index).cloned() else { return };
+        if gdrvm_model::layout::overlaps_platform(address, bar.size) {
+            tracing::warn!(
+                "{}: BAR {index} at {address:#x} overlaps the platform's ECAM or APICs: not decoded there",
+                w.key
+            );
+            return;
+        }
         let mut placed = Placed {
             address,
             size: bar.size,

@@ -34,6 +34,8 @@ struct Seen {
     dma: Vec<(bool, u64, u64)>,
     /// ioeventfds registered (true) or removed (false), by address.
     ioevents: Vec<(u64, bool)>,
+    /// Refuse read-only slots, as a KVM out of slots would.
+    refuse_readonly: bool,
 }
 
 type Shared = Arc<Mutex<Seen>>;
@@ -42,7 +44,11 @@ struct FakeKvm(Shared);
 
 impl MemorySink for FakeKvm {
     unsafe fn set_region(&self, region: kvm_userspace_memory_region) -> Result<(), kvm_ioctls::Error> {
-        lock(&self.0).slots.push(region);
+        let mut seen = lock(&self.0);
+        if seen.refuse_readonly && region.flags & KVM_MEM_READONLY != 0 {
+            return Err(kvm_ioctls::Error::new(libc::ENOSPC));
+        }
+        seen.slots.push(region);
         Ok(())
     }
 
@@ -464,8 +470,12 @@ fn test_a_long_run_is_given_to_kvm_a_touched_chunk_at_a_time() {
 
 #[test]
 fn test_configuration_images_are_mapped_read_only_and_removed_first() {
-    let Machine { seen, node, nic, pci, wiring, .. } = machine();
+    let Machine { seen, node, nic, pci, wiring, mmio } = machine();
     let before = lock(&seen).slots.len();
+    let holders = Arc::strong_count(&pci);
+    wiring.map_config_images(&pci, gdrvm_model::layout::ECAM_BASE);
+    assert_eq!(Arc::strong_count(&pci), holders + 1, "the mapped images keep their memory");
+    // Once only: a second call maps nothing more.
     wiring.map_config_images(&pci, gdrvm_model::layout::ECAM_BASE);
     let added: Vec<kvm_userspace_memory_region> = lock(&seen).slots[before..].to_vec();
     // One read-only page for each function with nothing behind it, at its ECAM address;
@@ -483,10 +493,33 @@ fn test_configuration_images_are_mapped_read_only_and_removed_first() {
     assert!(added.iter().all(|r| r.flags == KVM_MEM_READONLY && r.memory_size == 4096), "{added:?}");
     assert_eq!(wiring.config_images(), node.functions.len() - 1);
     assert!(!pci.images().is_imaged(nic));
-    // Dropping the wiring removes those slots while the segment (their memory) lives.
+    // The host bridge's slot is its image's page, which holds what ECAM reads: its IDs.
+    let host = node.functions.iter().position(|f| (f.bdf.bus, f.bdf.device, f.bdf.function) == (0, 0, 0)).unwrap();
+    let slot = added.iter().find(|r| r.guest_phys_addr == ecam(host)).unwrap();
+    let page = pci.images().pages().into_iter().find(|p| p.ecam_offset == 0).unwrap();
+    assert_eq!(slot.userspace_addr, page.host_addr);
+    let mut ids = [0u8; 4];
+    mmio.read(ecam(host), &mut ids);
+    assert_eq!(pci.images().image(host).unwrap()[..4], ids);
+    // Dropping the wiring removes those slots first, then lets go of the segment.
     drop(wiring);
     let removed: Vec<u32> = lock(&seen).slots.iter().filter(|r| r.memory_size == 0).map(|r| r.slot).collect();
     assert!(added.iter().all(|r| removed.contains(&r.slot)), "image slots left in KVM");
+    assert_eq!(Arc::strong_count(&pci), holders);
+}
+
+#[test]
+fn test_images_kvm_refuses_leave_their_reads_to_exit() {
+    let m = machine();
+    lock(&m.seen).refuse_readonly = true;
+    m.wiring.map_config_images(&m.pci, gdrvm_model::layout::ECAM_BASE);
+    assert_eq!(m.wiring.config_images(), 0);
+    // Reads still come, through the ECAM exit path: the host bridge's IDs.
+    let mut ids = [0u8; 4];
+    m.mmio.read(gdrvm_model::layout::ECAM_BASE, &mut ids);
+    assert_ne!(ids, [0xff; 4]);
+    let host = m.node.functions.iter().position(|f| (f.bdf.bus, f.bdf.device, f.bdf.function) == (0, 0, 0)).unwrap();
+    assert_eq!(m.pci.images().image(host).unwrap()[..4], ids);
 }
 
 #[test]
@@ -510,4 +543,33 @@ fn test_an_emulated_function_is_imaged_and_its_image_follows_writes() {
     m.config_write(0x40, &0x1234_5678u32.to_le_bytes());
     assert_eq!(m.pci.images().image(m.nic).unwrap(), read_all(), "after writes");
     assert_ne!(m.pci.images().image(m.nic).unwrap()[0x10..0x14], m.bar0().to_le_bytes()[..4], "sizing shows");
+}
+
+#[test]
+fn test_a_bar_moved_over_ecam_is_not_decoded_there() {
+    let m = machine();
+    let ecam_bus4 = gdrvm_model::layout::ECAM_BASE + (4 << 20);
+    let flags = PCI_BASE_ADDRESS_MEM_TYPE_64 | PCI_BASE_ADDRESS_MEM_PREFETCH;
+    let move_to = |address: u64| {
+        m.config_write(PCI_COMMAND, &0u16.to_le_bytes());
+        m.config_write(PCI_BASE_ADDRESS_0, &(address as u32 | flags).to_le_bytes());
+        m.config_write(PCI_BASE_ADDRESS_0 + 4, &((address >> 32) as u32).to_le_bytes());
+        m.config_write(PCI_COMMAND, &PCI_COMMAND_MEMORY.to_le_bytes());
+    };
+    move_to(ecam_bus4);
+    // No KVM slot and no trap over ECAM: the guest's configuration accesses still reach ECAM.
+    let end = gdrvm_model::layout::FOUR_GIB;
+    assert!(
+        m.live_slots().values().all(|&(gpa, _)| gpa + (2 << 20) <= ecam_bus4 || gpa >= end),
+        "{:x?}",
+        m.live_slots()
+    );
+    assert!(m.mmio.ranges().iter().all(|&(b, _)| b == gdrvm_model::layout::ECAM_BASE || b < ecam_bus4 || b >= end));
+    let mut ids = [0u8; 4];
+    m.mmio.read(gdrvm_model::layout::ECAM_BASE, &mut ids);
+    assert_ne!(ids, [0xff; 4], "ECAM still answers");
+    // Moved back into the window, it is placed again.
+    let back = m.bar0();
+    move_to(back);
+    assert_eq!(m.live_slots().into_values().collect::<Vec<_>>(), [(back + 0x1000, (2 << 20) - 0x1000)]);
 }
