@@ -59,12 +59,11 @@ impl ConfigImages {
             0 => None,
             n => Some(MmapRegion::new(n * CONFIG_SPACE_SIZE)?),
         };
-        let mut images = ConfigImages { memory, page_of: Vec::new(), ecam_offsets: Vec::new() };
-        for (page, (i, ecam_offset, _)) in imaged.iter().enumerate() {
+        for (page, (i, _, _)) in imaged.iter().enumerate() {
             page_of[*i] = Some(page);
-            images.ecam_offsets.push(*ecam_offset);
         }
-        images.page_of = page_of;
+        let ecam_offsets = imaged.iter().map(|(_, offset, _)| *offset).collect();
+        let images = ConfigImages { memory, page_of, ecam_offsets };
         for (i, _, bytes) in imaged {
             images.update(i, &bytes);
         }
