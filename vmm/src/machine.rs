@@ -176,6 +176,10 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
     phases.mark("initramfs open");
     // Host signals are read from a signalfd; block them before any thread starts.
     let signals = StopSignals::new().map_err(host("block SIGINT, SIGTERM and SIGHUP into a signalfd"))?;
+    // Emulators need only the node: their start-up (processes reading it) overlaps the
+    // VM's creation instead of following it.
+    let emulators = wiring::Prestarted::start(&config.node)?;
+    phases.mark("emulators started");
     let (kvm_sys, vm) = create_vm()?;
     let irq = interrupt_routing(&vm)?;
     phases.mark("VM creation");
@@ -193,7 +197,7 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
     check_address_bits(&supported_cpuid, &config.node)?;
     let mmio = Arc::new(Bus::new("mmio"));
     // Dropped when `run` returns, whatever the path: BARs leave the guest, devices reset.
-    let devices = wire_devices(config, &vm, &mmio, &irq, &ram)?;
+    let devices = wire_devices(config, emulators, &vm, &mmio, &irq, &ram)?;
     phases.mark("devices");
     let cpus = cpu_topology::layout(config.cpus, &config.node.numa);
     let entry =
@@ -364,6 +368,7 @@ fn check_address_bits(cpuid: &CpuId, node: &Node) -> Result<(), VmmError> {
 /// as the guest programs them, starting where firmware would leave them.
 fn wire_devices(
     config: &VmConfig,
+    emulators: wiring::Prestarted,
     vm: &Arc<VmFd>,
     mmio: &Arc<Bus>,
     irq: &Arc<GsiRouter>,
@@ -386,11 +391,7 @@ fn wire_devices(
             file,
         });
     }
-    let backings = wiring::Backings {
-        prestarted: wiring::Prestarted::start(&config.node)?,
-        memory: ram.memory.clone(),
-        wires: config.wires.clone(),
-    };
+    let backings = wiring::Backings { prestarted: emulators, memory: ram.memory.clone(), wires: config.wires.clone() };
     let open = |node: &gdrvm_model::node::Node, i| wiring::open_backing(&backings, node, i);
     let (devices, functions) = wiring::DeviceWiring::new(&config.node, parts, &regions, &open)?;
     let pci = Arc::new(PciSegment::with_functions(&config.node, functions));

@@ -7,10 +7,11 @@ use clap::Parser;
 use tracing_subscriber::EnvFilter;
 
 use super::fault::Fault;
-use super::{run, EmuKind, EmuOptions, Endpoint};
+use super::{run, EmuKind, EmuOptions, Endpoint, Served};
 
-/// Serves one node-file endpoint as an emulated GPU or RoCE NIC on a vfio-user socket, to
-/// one client, until it disconnects.
+/// Serves node-file endpoints as emulated GPUs or RoCE NICs over vfio-user: one endpoint on a
+/// socket it listens on, or several on inherited connected sockets (`--fd N --function NAME`,
+/// paired in order), each to one client until it disconnects.
 #[derive(Parser)]
 #[command(version)]
 struct Args {
@@ -18,19 +19,20 @@ struct Args {
     #[arg(long, required_unless_present = "fd", conflicts_with = "fd")]
     socket: Option<PathBuf>,
     /// Serve the connected socket inherited at this descriptor instead (how gdrvm starts
-    /// its emulators: a socket pair, no file).
+    /// its emulators: a socket pair each, no file); repeated, one per --function.
     #[arg(long)]
-    fd: Option<i32>,
-    /// Inject a fault: KIND@N, after the guest's Nth register write the device dies
-    /// (exit), answers every request with an error (error) or stops answering (hang).
+    fd: Vec<i32>,
+    /// Inject a fault into every device served: KIND@N, after the guest's Nth register
+    /// write the device dies (exit), answers every request with an error (error) or stops
+    /// answering (hang).
     #[arg(long)]
     fault: Option<Fault>,
     /// A node file, or a preset's name.
     #[arg(long)]
     node: String,
-    /// The endpoint's name in the node.
-    #[arg(long)]
-    function: String,
+    /// The endpoint's name in the node; repeated with --fd, once with --socket.
+    #[arg(long, required = true)]
+    function: Vec<String>,
     /// Exit (SIGTERM) when the parent process dies.
     #[arg(long)]
     die_with_parent: bool,
@@ -43,21 +45,29 @@ pub fn main(kind: EmuKind) -> ExitCode {
         .with_writer(std::io::stderr)
         .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn")))
         .init();
-    // clap requires one of --socket and --fd.
-    let endpoint = match args.fd {
-        Some(fd) => Endpoint::Fd(fd),
-        None => Endpoint::Socket(args.socket.unwrap_or_default()),
-    };
-    let options = EmuOptions {
-        endpoint,
-        fault: args.fault,
-        node: args.node,
-        function: args.function,
-        die_with_parent: args.die_with_parent,
-    };
     let program = match kind {
         EmuKind::Gpu => "gdrvm-gpu-emu",
         EmuKind::Nic => "gdrvm-nic-emu",
+    };
+    // clap requires one of --socket and --fd.
+    let endpoints: Vec<Endpoint> = match args.socket {
+        Some(path) => vec![Endpoint::Socket(path)],
+        None => args.fd.into_iter().map(Endpoint::Fd).collect(),
+    };
+    if endpoints.len() != args.function.len() {
+        eprintln!(
+            "{program}: {} --function for {} endpoint(s): give one --function per --fd, or one with --socket",
+            args.function.len(),
+            endpoints.len()
+        );
+        return ExitCode::from(2);
+    }
+    let served = endpoints.into_iter().zip(args.function).map(|(endpoint, function)| Served { endpoint, function });
+    let options = EmuOptions {
+        served: served.collect(),
+        fault: args.fault,
+        node: args.node,
+        die_with_parent: args.die_with_parent,
     };
     match run(kind, &options) {
         Ok(()) => ExitCode::SUCCESS,

@@ -133,6 +133,15 @@ pub enum EmuError {
     /// SIGTERM/SIGINT handling or the parent-death signal could not be set up.
     #[error("cannot set up signal handling")]
     Signals(#[source] io::Error),
+    /// The thread serving an endpoint could not be started.
+    #[error("cannot start the thread serving {function}")]
+    Thread {
+        /// The endpoint's name.
+        function: String,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
     /// The vfio-user session failed.
     #[error("the vfio-user session with the client failed")]
     Serve(#[source] ServerError),
@@ -170,17 +179,25 @@ pub enum Endpoint {
     Fd(i32),
 }
 
+/// One device an emulator process plays: where its client comes from, and its endpoint.
+#[derive(Debug, Clone)]
+pub struct Served {
+    /// Where the client comes from.
+    pub endpoint: Endpoint,
+    /// The endpoint's name in the node.
+    pub function: String,
+}
+
 /// What an emulator binary was asked to do.
 #[derive(Debug, Clone)]
 pub struct EmuOptions {
-    /// Where the client comes from.
-    pub endpoint: Endpoint,
-    /// A fault to inject, for tests of how the VMM and guest cope.
+    /// The devices to play, each on its own connection and thread: one process can serve
+    /// several endpoints of a node (how gdrvm starts them, one process per kind).
+    pub served: Vec<Served>,
+    /// A fault to inject into every device served, for tests of how the VMM and guest cope.
     pub fault: Option<fault::Fault>,
     /// A node file, or a preset's name.
     pub node: String,
-    /// The endpoint's name in the node.
-    pub function: String,
     /// Receive SIGTERM when the parent dies.
     pub die_with_parent: bool,
 }
@@ -591,8 +608,23 @@ fn memfd(name: &str, size: u64) -> io::Result<File> {
 /// and where it came from (for errors).
 pub fn find_endpoint(node_arg: &str, name: &str) -> Result<(Node, usize, String), EmuError> {
     let node = Node::resolve(node_arg).map_err(EmuError::Node)?;
-    let origin =
-        if Path::new(node_arg).exists() { format!("node file {node_arg}") } else { format!("preset {node_arg}") };
+    let origin = origin_of(node_arg);
+    let i = endpoint_index(&node, &origin, name)?;
+    Ok((node, i, origin))
+}
+
+/// How errors name where the node came from.
+fn origin_of(node_arg: &str) -> String {
+    if Path::new(node_arg).exists() {
+        format!("node file {node_arg}")
+    } else {
+        format!("preset {node_arg}")
+    }
+}
+
+/// The index of endpoint `name` in `node` (read from `origin`).
+fn endpoint_index(node: &Node, origin: &str, name: &str) -> Result<usize, EmuError> {
+    let origin = origin.to_owned();
     let Some(i) = node.functions.iter().position(|f| f.name == name) else {
         let endpoints: Vec<_> = node
             .functions
@@ -604,7 +636,7 @@ pub fn find_endpoint(node_arg: &str, name: &str) -> Result<(Node, usize, String)
     };
     let f = &node.functions[i];
     let what = match f.kind {
-        FunctionKind::Endpoint(_) => return Ok((node, i, origin)),
+        FunctionKind::Endpoint(_) => return Ok(i),
         FunctionKind::HostBridge => "host bridge",
         FunctionKind::RootPort => "root port",
         FunctionKind::SwitchUpstream => "switch upstream port",
@@ -741,27 +773,67 @@ pub fn run(kind: EmuKind, options: &EmuOptions) -> Result<(), EmuError> {
     if options.die_with_parent {
         die_with_parent()?;
     }
-    let result = serve_one(kind, options, &socket);
+    let result = serve_all(kind, options, &socket);
     socket.remove();
     result
 }
 
-fn serve_one(kind: EmuKind, options: &EmuOptions, socket: &SocketFile) -> Result<(), EmuError> {
-    let (node, i, origin) = find_endpoint(&options.node, &options.function)?;
+/// Reads the node once, checks every endpoint asked for, then serves each on a thread of
+/// its own until every client has left; the first error is the process's.
+fn serve_all(kind: EmuKind, options: &EmuOptions, socket: &SocketFile) -> Result<(), EmuError> {
+    let node = Node::resolve(&options.node).map_err(EmuError::Node)?;
+    let origin = origin_of(&options.node);
+    let indices =
+        options.served.iter().map(|s| endpoint_index(&node, &origin, &s.function)).collect::<Result<Vec<_>, _>>()?;
+    let jobs: Vec<_> = options.served.iter().zip(indices).collect();
+    if let [(served, i)] = jobs[..] {
+        return serve_one(kind, options, (&node, i, &origin), served, socket);
+    }
+    std::thread::scope(|s| {
+        let threads: Vec<_> = jobs
+            .iter()
+            .map(|&(served, i)| {
+                let (node, origin) = (&node, &origin);
+                std::thread::Builder::new()
+                    .name(served.function.clone())
+                    .spawn_scoped(s, move || serve_one(kind, options, (node, i, origin), served, socket))
+                    .map_err(|source| EmuError::Thread { function: served.function.clone(), source })
+            })
+            .collect();
+        let mut first = Ok(());
+        for thread in threads {
+            let result = thread.and_then(|t| t.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)));
+            if first.is_ok() {
+                first = result;
+            }
+        }
+        first
+    })
+}
+
+/// Plays endpoint `i` of `node` (read from `origin`) for the client `served` names.
+fn serve_one(
+    kind: EmuKind,
+    options: &EmuOptions,
+    (node, i, origin): (&Node, usize, &str),
+    served: &Served,
+    socket: &SocketFile,
+) -> Result<(), EmuError> {
     let dma = Arc::new(DmaMemory::new());
     let irqs = Arc::new(Interrupts::new());
     let mut device: Box<dyn UserDevice> = match kind {
-        EmuKind::Gpu => Box::new(EmulatedGpu::new(&origin, &node, i, irqs.clone())?),
-        EmuKind::Nic => Box::new(EmulatedNic::new(&origin, &node, i, dma.clone(), irqs.clone())?),
+        EmuKind::Gpu => Box::new(EmulatedGpu::new(origin, node, i, irqs.clone())?),
+        EmuKind::Nic => Box::new(EmulatedNic::new(origin, node, i, dma.clone(), irqs.clone())?),
     };
     if let Some(fault) = options.fault {
         device = Box::new(fault::Faulty::new(device, fault));
     }
-    let stream = match &options.endpoint {
+    let function = &served.function;
+    let stream = match &served.endpoint {
         Endpoint::Socket(path) => {
             let listener = bind_socket(path)?;
             socket.own(path);
-            info!(socket = %path.display(), function = %options.function, ?kind, "listening");
+            info!(socket = %path.display(), function, ?kind, "listening");
             let (stream, _) = listener.accept().map_err(EmuError::Accept)?;
             // One client: later connections are refused.
             drop(listener);
@@ -769,9 +841,9 @@ fn serve_one(kind: EmuKind, options: &EmuOptions, socket: &SocketFile) -> Result
         }
         Endpoint::Fd(fd) => inherited_stream(*fd)?,
     };
-    info!("client connected");
+    info!(function, "client connected");
     serve(stream, device.as_mut(), &dma, &irqs).map_err(EmuError::Serve)?;
-    info!("client disconnected");
+    info!(function, "client disconnected");
     Ok(())
 }
 
@@ -965,6 +1037,41 @@ mod tests {
         d.reset_device();
         d.region_read(1, at, &mut b);
         assert_eq!(&b, b"world");
+    }
+
+    #[test]
+    fn test_one_process_serves_several_endpoints_until_every_client_leaves() {
+        use std::os::fd::IntoRawFd;
+        let mut ours = Vec::new();
+        let mut served = Vec::new();
+        for function in ["gpu0", "gpu1"] {
+            let (mine, theirs) = UnixStream::pair().unwrap();
+            ours.push(mine);
+            served.push(Served { endpoint: Endpoint::Fd(theirs.into_raw_fd()), function: function.into() });
+        }
+        let options = EmuOptions { served, fault: None, node: "vela-a100".into(), die_with_parent: false };
+        let server = std::thread::spawn(move || serve_all(EmuKind::Gpu, &options, &SocketFile::default()));
+        let timeout = std::time::Duration::from_secs(10);
+        let second = crate::vfio_user::UserConnection::new("gpu1", ours.pop().unwrap(), timeout).unwrap();
+        let first = crate::vfio_user::UserConnection::new("gpu0", ours.pop().unwrap(), timeout).unwrap();
+        drop(second);
+        // gpu0 still answers (device and region info) once gpu1's client has left.
+        let ops = crate::vfio_user::UserDeviceOps::new(first).unwrap();
+        assert!(!server.is_finished());
+        drop(ops);
+        server.join().unwrap().unwrap();
+    }
+
+    #[test]
+    fn test_a_bad_endpoint_among_several_is_a_usage_error_before_any_is_served() {
+        let served = ["gpu0", "sw0.up"].map(|function| Served {
+            endpoint: Endpoint::Socket(PathBuf::from("/nonexistent/s")),
+            function: function.into(),
+        });
+        let options =
+            EmuOptions { served: served.to_vec(), fault: None, node: "minimal".into(), die_with_parent: false };
+        let e = serve_all(EmuKind::Gpu, &options, &SocketFile::default()).unwrap_err();
+        assert!(e.is_usage(), "{e}");
     }
 
     #[test]

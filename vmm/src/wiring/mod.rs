@@ -201,20 +201,20 @@ pub struct Opened {
 /// Opens the device an endpoint's backing names.
 pub type OpenBacking<'a> = dyn Fn(&Node, usize) -> Result<Option<Opened>, String> + 'a;
 
-/// Emulators started before any device is opened, so that their start-up (a process each,
-/// reading the node) overlaps instead of adding up; [`open_backing_prestarted`] takes them.
+/// Emulators started before any device is opened, so that their start-up (a process each
+/// kind, reading the node) overlaps instead of adding up; [`open_backing`] takes them.
 pub struct Prestarted(Mutex<BTreeMap<usize, (Emulator, std::os::unix::net::UnixStream)>>);
 
 impl Prestarted {
-    /// Starts the emulator of every function of `node` with an emulated backing.
+    /// Starts the emulators of every function of `node` with an emulated backing.
     pub fn start(node: &Node) -> Result<Prestarted, WiringError> {
         let mut started = BTreeMap::new();
-        for (i, f) in node.functions.iter().enumerate() {
-            if emulator::program(&f.backing).is_some() {
-                let emulator = Emulator::start(node, i)
-                    .map_err(|reason| WiringError::Backing { function: f.key.clone(), reason })?;
-                started.insert(i, emulator);
-            }
+        for group in emulator::processes(node) {
+            let shares = Emulator::start(node, &group).map_err(|reason| WiringError::Backing {
+                function: group.iter().map(|&i| node.functions[i].key.as_str()).collect::<Vec<_>>().join(", "),
+                reason,
+            })?;
+            started.extend(group.into_iter().zip(shares));
         }
         Ok(Prestarted(Mutex::new(started)))
     }
@@ -247,7 +247,7 @@ pub fn open_backing(backings: &Backings, node: &Node, i: usize) -> Result<Option
         Backing::EmulatedGpu | Backing::EmulatedNic => {
             let (emulator, stream) = match lock(&backings.prestarted.0).remove(&i) {
                 Some(started) => started,
-                None => Emulator::start(node, i)?,
+                None => Emulator::start(node, &[i])?.pop().ok_or("no emulator started (a wiring bug)")?,
             };
             let conn = UserConnection::new(&f.key, stream, vfio_user::DEFAULT_TIMEOUT).map_err(|e| e.to_string())?;
             open_vfio_user(&f.key, conn, Some(emulator)).map(Some)
