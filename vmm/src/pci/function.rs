@@ -100,10 +100,29 @@ impl PciFunction {
         self.backend.as_ref().is_none_or(|b| b.config_follows_writes)
     }
 
-    /// The whole configuration space as the guest reads it now.
-    pub fn snapshot(&self) -> Vec<u8> {
+    /// Whether a write of `len` bytes at `reg` passes any of them to the device.
+    pub fn write_reaches_device(&self, reg: usize, len: usize) -> bool {
+        self.backend.as_ref().is_some_and(|b| b.ownership.split(reg, len).any(|(owner, _)| owner == Owner::Device))
+    }
+
+    /// The whole configuration space as the guest reads it now. The device's bytes come
+    /// from one read of all of it (a vfio-user request, not one per run of its bytes), or
+    /// from `last`, an earlier snapshot, when the caller knows they have not changed since.
+    pub fn snapshot(&self, last: Option<&[u8]>) -> Vec<u8> {
         let mut bytes = vec![0; CONFIG_SPACE_SIZE];
-        self.read(0, &mut bytes);
+        let Some(backend) = &self.backend else {
+            self.config.read(0, &mut bytes);
+            return bytes;
+        };
+        match last {
+            Some(last) if last.len() == CONFIG_SPACE_SIZE => bytes.copy_from_slice(last),
+            _ => lock(&backend.device).config_read(0, &mut bytes),
+        }
+        for (owner, run) in backend.ownership.split(0, CONFIG_SPACE_SIZE) {
+            if owner == Owner::Vmm {
+                self.read(run.start, &mut bytes[run]);
+            }
+        }
         bytes
     }
 

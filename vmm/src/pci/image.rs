@@ -103,6 +103,14 @@ impl ConfigImages {
         }
     }
 
+    /// Function `function`'s image as the guest reads it through the mapping, if imaged.
+    pub fn contents(&self, function: usize) -> Option<Vec<u8>> {
+        let (Some(memory), Some(Some(page))) = (&self.memory, self.page_of.get(function)) else { return None };
+        let mut bytes = vec![0; CONFIG_SPACE_SIZE];
+        memory.as_volatile_slice().read_slice(&mut bytes, page * CONFIG_SPACE_SIZE).ok()?;
+        Some(bytes)
+    }
+
     /// Every image, to be mapped into the guest.
     pub fn pages(&self) -> Vec<ImagePage> {
         let Some(memory) = &self.memory else { return Vec::new() };
@@ -114,14 +122,5 @@ impl ConfigImages {
                 host_addr: memory.as_ptr() as u64 + (page * CONFIG_SPACE_SIZE) as u64,
             })
             .collect()
-    }
-
-    /// Function `function`'s image as the guest reads it through the mapping, if imaged.
-    #[cfg(test)]
-    pub fn image(&self, function: usize) -> Option<Vec<u8>> {
-        let (Some(memory), Some(Some(page))) = (&self.memory, self.page_of.get(function)) else { return None };
-        let mut data = vec![0u8; CONFIG_SPACE_SIZE];
-        memory.as_volatile_slice().read_slice(&mut data, page * CONFIG_SPACE_SIZE).ok()?;
-        Some(data)
     }
 }

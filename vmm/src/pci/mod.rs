@@ -68,7 +68,7 @@ impl PciSegment {
             .zip(offsets)
             .enumerate()
             .filter(|(_, (f, _))| f.imageable())
-            .map(|(i, (f, offset))| (i, offset, f.snapshot()));
+            .map(|(i, (f, offset))| (i, offset, f.snapshot(None)));
         let images = ConfigImages::new(functions.len(), imaged).unwrap_or_else(|e| {
             tracing::warn!("cannot allocate configuration images ({e}): every configuration read exits");
             ConfigImages::none(functions.len())
@@ -87,7 +87,7 @@ impl PciSegment {
         for (i, f) in self.functions.iter().enumerate() {
             if self.images.is_imaged(i) {
                 let f = lock(f);
-                self.images.update(i, &f.snapshot());
+                self.images.update(i, &f.snapshot(None));
             }
         }
     }
@@ -122,14 +122,18 @@ impl PciSegment {
     /// what the write meant, with the function's lock released.
     pub fn write(&self, bus: u8, devfn: u8, offset: usize, data: &[u8]) {
         let Some((i, f)) = self.find(bus, devfn) else { return };
+        tracing::trace!(bus, devfn, offset, ?data, "configuration write");
         let effects = {
             let mut f = lock(f);
             let effects = f.write(offset, data);
             // Under the lock, so that concurrent writes leave the image as the last one. A
-            // device's bytes are read back after its write, which has had its reply: an
-            // emulator rewrites its shared configuration before replying.
+            // device's bytes are read back after a write that reached it, which has had its
+            // reply: an emulator rewrites its shared configuration before replying. After a
+            // write of the VMM's bytes alone (BARs, MSI) the device's are as the image has
+            // them: an imaged device's bytes change only through writes and resets.
             if self.images.is_imaged(i) {
-                self.images.update(i, &f.snapshot());
+                let last = if f.write_reaches_device(offset, data.len()) { None } else { self.images.contents(i) };
+                self.images.update(i, &f.snapshot(last.as_deref()));
             }
             effects
         };
