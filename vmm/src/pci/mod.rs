@@ -81,14 +81,12 @@ impl PciSegment {
         }
     }
 
-    /// Brings every image up to its function, after something other than a guest write
-    /// changed them (the VMM resetting the devices).
-    pub fn refresh_images(&self) {
-        for (i, f) in self.functions.iter().enumerate() {
-            if self.images.is_imaged(i) {
-                let f = lock(f);
-                self.images.update(i, &f.snapshot(None));
-            }
+    /// Brings function `i`'s image (if it has one) up to what its device holds now, after
+    /// something other than a guest write changed it (the VMM resetting the device).
+    pub fn refresh_image(&self, i: usize) {
+        if let (true, Some(f)) = (self.images.is_imaged(i), self.functions.get(i)) {
+            let f = lock(f);
+            self.images.update(i, &f.snapshot(None));
         }
     }
 

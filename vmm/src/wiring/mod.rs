@@ -347,16 +347,40 @@ impl DeviceWiring {
     /// Resets every device, then turns on memory decode of every function with a device
     /// behind it, as firmware leaves the devices it assigned addresses to: their BARs are
     /// placed where the model put them.
+    ///
+    /// Each device starts on a thread of its own and the BARs' DMA mappings are deferred
+    /// to one flush that feeds every target side by side: every step waits on the device
+    /// (a request to its server; for a passed-through GPU, a reset that can take a tenth
+    /// of a second), and one device after another they add up.
     pub fn start(&self, node: &Node, pci: &PciSegment) {
-        self.reset_devices();
-        pci.refresh_images();
-        for w in self.wired.values() {
+        lock(&self.dma).defer();
+        let start_one = |i: usize, w: &Mutex<Wired>| {
+            let reset = {
+                let w = lock(w);
+                let result = lock(&w.device).reset();
+                result.map_err(|e| format!("{}: {e}", w.key))
+            };
+            if let Err(e) = reset {
+                tracing::warn!("{e}");
+            }
+            pci.refresh_image(i);
             lock(w).connect_intx(true);
-        }
-        for &i in self.wired.keys() {
             let bdf = node.functions[i].bdf;
             let devfn = bdf.device << 3 | bdf.function;
             pci.write(bdf.bus, devfn, PCI_COMMAND, &PCI_COMMAND_MEMORY.to_le_bytes());
+        };
+        std::thread::scope(|s| {
+            for (&i, w) in &self.wired {
+                let spawned =
+                    std::thread::Builder::new().name(format!("start {i}")).spawn_scoped(s, move || start_one(i, w));
+                if let Err(e) = spawned {
+                    tracing::debug!("no thread to start function {i} on ({e}): started here");
+                    start_one(i, w);
+                }
+            }
+        });
+        if let Err(e) = lock(&self.dma).flush() {
+            tracing::warn!("DMA space: {e}");
         }
     }
 
