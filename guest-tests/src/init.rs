@@ -37,6 +37,12 @@ impl InitOptions {
     }
 }
 
+/// What the agent writes into the kernel log once it runs as PID 1 (its file systems
+/// mounted), for the `profile` suite's milestones.
+pub const MARK_STARTED: &str = "gdrvm-agent: started";
+/// What it writes once the image's modules are loaded.
+pub const MARK_MODULES: &str = "gdrvm-agent: modules loaded";
+
 /// Runs PID 1's whole life. Never returns.
 pub fn run() -> ! {
     for (source, target, fstype) in
@@ -46,11 +52,13 @@ pub fn run() -> ! {
             println!("# gdrvm-agent: cannot mount {target}: {e}");
         }
     }
+    sys::mark(MARK_STARTED);
     let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
     let opts = InitOptions::from_cmdline(&cmdline);
     let status = match Context::load(Path::new("/"), Ok(String::new()), Vec::new()) {
         Ok(ctx) => {
             let module_errors = load_modules(&ctx);
+            sys::mark(MARK_MODULES);
             if let Err(why) = load_user_modules(&ctx) {
                 // What the user's driver was to be tested by cannot run: 125, as `git
                 // bisect run` reads it (skip this commit), with the kernel's words.

@@ -42,6 +42,16 @@ pub fn load_module(path: &Path, params: &str) -> io::Result<()> {
     }
 }
 
+/// Writes `text` into the kernel log at KERN_INFO (below `quiet`'s console level, so it
+/// costs no console output), with the log's timestamp; a log that cannot be written to
+/// is no error of the agent's.
+pub fn mark(text: &str) {
+    use std::io::Write;
+    if let Ok(mut kmsg) = std::fs::OpenOptions::new().write(true).open("/dev/kmsg") {
+        let _ = kmsg.write_all(format!("<6>{text}\n").as_bytes());
+    }
+}
+
 /// The whole kernel log ring buffer (syslog(2) READ_ALL).
 pub fn kernel_log() -> io::Result<String> {
     const SYSLOG_ACTION_READ_ALL: libc::c_int = 3;

@@ -21,7 +21,7 @@ const TOP_INITCALLS: usize = 20;
 const TOP_GAPS: usize = 8;
 
 /// Log lines that mark a stage of the boot, with the milestone's name.
-const MILESTONES: [(&str, &str); 9] = [
+const MILESTONES: [(&str, &str); 11] = [
     ("Linux version", "kernel start"),
     ("tsc: Refined TSC", "TSC refined"),
     ("ACPI: Interpreter enabled", "ACPI up"),
@@ -32,6 +32,8 @@ const MILESTONES: [(&str, &str); 9] = [
     ("Freeing initrd memory", "initramfs unpacked"),
     ("Freeing unused kernel image", "kernel init done"),
     ("Run /init as init process", "init started"),
+    (crate::init::MARK_STARTED, "agent started"),
+    (crate::init::MARK_MODULES, "agent modules loaded"),
 ];
 
 pub fn run(_ctx: &Context) -> Vec<Check> {
