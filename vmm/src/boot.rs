@@ -4,6 +4,7 @@
 
 use std::fs::File;
 use std::io::Read;
+use std::thread::{Scope, ScopedJoinHandle};
 
 use gdrvm_model::layout::{self, E820Entry};
 use linux_loader::configurator::linux::LinuxBootConfigurator;
@@ -92,8 +93,40 @@ const BZIMAGE_64BIT_ENTRY_OFFSET: u64 = 0x200;
 /// Highest address the initrd may end at for 32-bit-clean kernels.
 const INITRD_ADDR_MAX: u64 = 0x8000_0000;
 
-/// Loads everything the guest needs to boot and returns the boot CPU's entry, marking
-/// the kernel's and the initramfs's loads in `phases`.
+/// The kernel's and the initramfs's copies into guest memory, under way on threads of
+/// `scope` while the rest of the machine is set up: they need only guest memory, and are
+/// the biggest part of the setup (about 55 MB, 0.15 s nested).
+pub struct Copies<'scope> {
+    kernel: ScopedJoinHandle<'scope, Result<KernelLoaderResult, BootError>>,
+    initrd: Option<InitrdCopy<'scope>>,
+}
+
+/// The initrd's copy: its size, where it goes, and the copy itself unless it fits nowhere.
+struct InitrdCopy<'scope> {
+    job: Option<ScopedJoinHandle<'scope, Result<(), InitrdError>>>,
+    size: usize,
+    addr: Option<u64>,
+}
+
+/// Starts copying the kernel and the initramfs into `mem` on threads of `scope`; the
+/// initrd's place depends only on RAM and its size, and is checked against the kernel's
+/// end once both are in ([`finish`]).
+pub fn start_copies<'scope, 'env>(
+    scope: &'scope Scope<'scope, 'env>,
+    mem: &'env GuestMemoryMmap,
+    config: &'env VmConfig,
+    initrd: Option<&'env dyn InitrdSource>,
+) -> Copies<'scope> {
+    let initrd = initrd.map(|source| {
+        let (size, addr) = (source.size(), initrd_addr(config.memory, source.size()));
+        let job = addr.map(|addr| scope.spawn(move || source.load(mem, GuestAddress(addr))));
+        InitrdCopy { job, size, addr }
+    });
+    Copies { kernel: scope.spawn(move || load_kernel(mem, config)), initrd }
+}
+
+/// Loads everything the guest needs to boot and returns the boot CPU's entry, marking the
+/// kernel's and the initramfs's loads in `phases`.
 pub fn load(
     mem: &GuestMemoryMmap,
     config: &VmConfig,
@@ -101,26 +134,31 @@ pub fn load(
     rsdp: u64,
     phases: &mut SetupPhases,
 ) -> Result<BootEntry, BootError> {
-    // The two biggest copies of the setup run side by side: the initrd's place depends only
-    // on RAM and its size, and is checked against the kernel's end once both are in.
-    let initrd = initrd.map(|source| (source, initrd_addr(config.memory, source.size())));
-    let (kernel, loaded) = std::thread::scope(|s| {
-        let job =
-            initrd.and_then(|(source, addr)| addr.map(|addr| s.spawn(move || source.load(mem, GuestAddress(addr)))));
-        let kernel = load_kernel(mem, config);
-        (kernel, job.map(|job| job.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))))
-    });
+    std::thread::scope(|s| finish(start_copies(s, mem, config, initrd), mem, config, rsdp, phases))
+}
+
+/// Waits for `copies`, then writes the command line and the boot structures around them
+/// and returns the boot CPU's entry.
+pub fn finish(
+    copies: Copies<'_>,
+    mem: &GuestMemoryMmap,
+    config: &VmConfig,
+    rsdp: u64,
+    phases: &mut SetupPhases,
+) -> Result<BootEntry, BootError> {
+    let kernel = join(copies.kernel);
+    let initrd = copies.initrd.map(|c| (c.job.map(join), c.size, c.addr));
     let kernel = kernel?;
-    loaded.transpose()?;
     let initrd = match initrd {
-        Some((source, Some(addr))) if addr >= kernel.kernel_end => Some((addr, source.size())),
-        Some((source, _)) => {
-            return Err(BootError::InitrdTooBig { size: source.size(), kernel_end: kernel.kernel_end })
+        Some((Some(loaded), size, Some(addr))) if addr >= kernel.kernel_end => {
+            loaded?;
+            Some((addr, size))
         }
+        Some((_, size, _)) => return Err(BootError::InitrdTooBig { size, kernel_end: kernel.kernel_end }),
         None => None,
     };
     let cmdline = write_cmdline(mem, &config.cmdline)?;
-    phases.mark("kernel and initramfs load, side by side");
+    phases.mark("kernel and initramfs load (the rest of it)");
     let e820 = layout::e820_map(config.memory);
 
     match kernel.pvh_boot_cap {
@@ -139,6 +177,11 @@ pub fn load(
             Ok(BootEntry { rip, mode: EntryMode::Linux64 })
         }
     }
+}
+
+/// Waits for a copy's thread; its panic is this thread's.
+fn join<T>(job: ScopedJoinHandle<'_, T>) -> T {
+    job.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))
 }
 
 fn load_kernel(mem: &GuestMemoryMmap, config: &VmConfig) -> Result<KernelLoaderResult, BootError> {

@@ -196,12 +196,18 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
     vcpu::announce_emulated_features(&mut supported_cpuid, kvm_sys.check_extension(Cap::TscDeadlineTimer));
     check_address_bits(&supported_cpuid, &config.node)?;
     let mmio = Arc::new(Bus::new("mmio"));
-    // Dropped when `run` returns, whatever the path: BARs leave the guest, devices reset.
-    let devices = wire_devices(config, emulators, &vm, &mmio, &irq, &ram)?;
-    phases.mark("devices");
     let cpus = cpu_topology::layout(config.cpus, &config.node.numa);
-    let entry =
-        load_guest(&ram.memory, config, &cpus, initrd.as_ref().map(|i| i as &dyn initrd::InitrdSource), &mut phases)?;
+    let initrd = initrd.as_ref().map(|i| i as &dyn initrd::InitrdSource);
+    let (devices, entry) = std::thread::scope(|s| {
+        // The kernel's and the initramfs's copies need only guest memory: they run while
+        // the devices are wired and the firmware tables written (disjoint guest memory).
+        let copies = boot::start_copies(s, &ram.memory, config, initrd);
+        // Dropped when `run` returns, whatever the path: BARs leave the guest, devices reset.
+        let devices = wire_devices(config, emulators, &vm, &mmio, &irq, &ram)?;
+        phases.mark("devices");
+        let entry = load_guest(&ram.memory, config, &cpus, copies, &mut phases)?;
+        Ok::<_, VmmError>((devices, entry))
+    })?;
 
     let signal = Arc::new(GuestExitSignal::new().map_err(host("create an eventfd"))?);
     let serial_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(host("create an eventfd"))?;
@@ -282,18 +288,19 @@ fn interrupt_routing(vm: &Arc<VmFd>) -> Result<Arc<GsiRouter>, VmmError> {
     Ok(irq)
 }
 
-/// Writes the firmware (ACPI tables, reset vector), the kernel, initrd and boot structures.
+/// Writes the firmware (ACPI tables, reset vector), waits for the kernel's and the initrd's
+/// `copies`, and writes the boot structures.
 fn load_guest(
     mem: &vm_memory::GuestMemoryMmap,
     config: &VmConfig,
     cpus: &[CpuPlace],
-    initrd: Option<&dyn initrd::InitrdSource>,
+    copies: boot::Copies<'_>,
     phases: &mut SetupPhases,
 ) -> Result<boot::BootEntry, VmmError> {
     let rsdp = acpi::write(mem, cpus, &config.node)?;
     bios::write(mem).map_err(|source| VmmError::GuestMemory { what: "write the reset vector", source })?;
     phases.mark("firmware tables");
-    let entry = boot::load(mem, config, initrd, rsdp, phases)?;
+    let entry = boot::finish(copies, mem, config, rsdp, phases)?;
     vcpu::write_boot_tables(mem, entry.mode)?;
     Ok(entry)
 }
