@@ -7,7 +7,7 @@ use std::process::Command;
 use gdrvm_model::DEBUG_EXIT_PORT;
 
 use crate::context::Context;
-use crate::{ktap, suites, sys};
+use crate::{ktap, modalias, suites, sys};
 
 /// What the kernel command line asks of the agent.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -134,17 +134,34 @@ fn module_params(cmdline: &str, name: &str) -> String {
 
 /// Loads the image's modules, each with its parameters from the kernel command line;
 /// returns the errors of required ones. Optional modules that fail (hardware-specific
-/// ones on other hardware) are only logged.
+/// ones on other hardware) are only logged; one that drives PCI devices, none of which is
+/// here, is not loaded unless another module of the image needs it (a note in the kernel
+/// log says so).
 fn load_modules(ctx: &Context) -> Vec<String> {
     let Some(image) = &ctx.image else { return Vec::new() };
     let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
+    let stem = |m: &String| Path::new(m).file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
     let load = |m: &String| {
-        let name = Path::new(m).file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-        sys::load_module(Path::new(m), &module_params(&cmdline, &name)).err().map(|e| format!("cannot load {m}: {e}"))
+        sys::load_module(Path::new(m), &module_params(&cmdline, &stem(m)))
+            .err()
+            .map(|e| format!("cannot load {m}: {e}"))
     };
     let errors = image.modules.iter().filter_map(load).collect();
-    for e in image.optional_modules.iter().filter_map(load) {
-        println!("# gdrvm-agent: {e} (optional)");
+    let present = modalias::pci_modaliases(Path::new("/sys/bus/pci/devices"));
+    let all =
+        image.modules.iter().chain(&image.optional_modules).chain(&image.on_demand_modules).chain(&image.user_modules);
+    let needed: std::collections::HashSet<String> =
+        all.filter_map(|m| modalias::ModInfo::read(Path::new(m)).ok()).flat_map(|i| i.depends).collect();
+    for m in &image.optional_modules {
+        let name = modalias::module_name(&stem(m));
+        let absent = modalias::ModInfo::read(Path::new(m)).is_ok_and(|i| i.drives_pci() && !i.matches_any(&present));
+        if absent && !needed.contains(&name) {
+            sys::mark(&format!("gdrvm-agent: {name} not loaded: no PCI device here that it drives"));
+            continue;
+        }
+        if let Some(e) = load(m) {
+            println!("# gdrvm-agent: {e} (optional)");
+        }
     }
     errors
 }

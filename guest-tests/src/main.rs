@@ -9,6 +9,7 @@ mod init;
 mod ktap;
 mod l1;
 mod mapping;
+mod modalias;
 mod net;
 mod packet;
 mod pcidev;

@@ -168,7 +168,8 @@ pub struct ImageManifest {
     /// Kernel module files (paths inside the guest) in load order, dependencies first.
     pub modules: Vec<String>,
     /// Modules to try after `modules`; failing to load one is not an error (e.g. kvm_intel
-    /// on an AMD host). Same order rule.
+    /// on an AMD host). Same order rule. One that drives PCI devices is skipped when none
+    /// of them is present and no module of the image depends on it.
     #[serde(default)]
     pub optional_modules: Vec<String>,
     /// Modules in the image that suites load when they need them (soft-RoCE), dependencies
