@@ -52,6 +52,16 @@ impl Oops {
     }
 }
 
+/// Whether `line` reports a kernel-mode fault inside the exception entry code (`RIP:
+/// 0010:error_entry+...`), anywhere in it: an oops's lines on a guest's console can be cut
+/// into the agent's output. `error_entry` touches only its own stack and per-CPU data, both
+/// always mapped, so a CPU that faults there was lost by the emulator, not by the kernel:
+/// on 2026-12-03 a nested guest oopsed so on an idle CPU, went on, and exited 0 with the
+/// oops spliced into a suite's output.
+pub fn faulted_in_entry_code(line: &str) -> bool {
+    line.contains("RIP: 0010:error_entry+")
+}
+
 /// A console line without the kernel's `[    1.234567] ` timestamp.
 fn text(line: &str) -> &str {
     let t = line.trim_start();
@@ -122,6 +132,15 @@ mod tests {
         assert!(!find(&elsewhere).unwrap().is_entry_fault_recursion());
         let null = lines(&console.join("\n").replace("stack guard page was hit", "kernel NULL pointer dereference"));
         assert!(!find(&null).unwrap().is_entry_fault_recursion());
+    }
+
+    #[test]
+    fn test_a_fault_in_entry_code_is_found_inside_other_output() {
+        assert!(faulted_in_entry_code("subsystem = [0x1[   13.931881] RIP: 0010:error_entry+0xd/0x130"));
+        assert!(faulted_in_entry_code("[   13.9] RIP: 0010:error_entry+0x1a/0xd0"));
+        // User mode, or another function of the entry code, is not it.
+        assert!(!faulted_in_entry_code("[   13.9] RIP: 0033:error_entry+0x1a/0xd0"));
+        assert!(!faulted_in_entry_code("[   13.9] RIP: 0010:asm_exc_page_fault+0x22/0x30"));
     }
 
     #[test]

@@ -211,8 +211,14 @@ impl VmResult {
     /// keeps each earlier run's end; a guest that really does this does it again.
     ///
     /// In a cluster run (consoles prefixed `[node] `), one node's guest doing so counts too.
-    /// A job that hung with processes L1 could not kill (stuck in L1's kernel) counts too.
+    /// A job that hung with processes L1 could not kill (stuck in L1's kernel) counts too,
+    /// and so does any guest, whatever its end, whose kernel faulted inside the exception
+    /// entry code ([`oops::faulted_in_entry_code`]): one that went on after it may have
+    /// passed with that oops cut into a suite's output.
     pub fn lost_to_emulator(&self) -> bool {
+        if self.console.iter().any(|l| oops::faulted_in_entry_code(l)) {
+            return true;
+        }
         if self.outcome == VmOutcome::TimedOut {
             return self.console.iter().any(|l| l.contains(gdrvm_model::l1::SURVIVED_SIGKILL));
         }
@@ -305,6 +311,19 @@ mod tests {
         assert!(cluster.lost_to_emulator());
         let own = result(VmOutcome::Exited(1), &died.replace("error_entry+0x1e", "do_sys_poll+0x1e"));
         assert!(!own.lost_to_emulator());
+    }
+
+    #[test]
+    fn test_a_fault_in_entry_code_is_lost_to_the_emulator_whatever_the_end() {
+        // The vela guest of 2026-12-03: an idle CPU oopsed in error_entry, the agent went
+        // on and the guest exited 0, with the oops cut into the capture suite's output.
+        let spliced = "KTAP version 1\n# subsystem = [0x1[   13.931881] RIP: 0010:error_entry+0xd/0x130\nok 1 capture";
+        for outcome in [VmOutcome::Exited(0), VmOutcome::Exited(1), VmOutcome::TimedOut] {
+            assert!(result(outcome.clone(), spliced).lost_to_emulator(), "{outcome:?}");
+        }
+        let cluster = spliced.lines().map(|l| format!("[a] {l}")).collect::<Vec<_>>().join("\n");
+        assert!(result(VmOutcome::Exited(0), &cluster).lost_to_emulator());
+        assert!(!result(VmOutcome::Exited(0), PASSING).lost_to_emulator());
     }
 
     #[test]
