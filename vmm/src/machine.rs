@@ -224,6 +224,7 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
         mmio,
         signal: signal.clone(),
         stop: Arc::new(AtomicBool::new(false)),
+        tell_state: Arc::new(AtomicBool::new(false)),
         exits: Arc::new(Mutex::new(ExitTally::default())),
     };
     phases.mark("vCPUs");
@@ -240,6 +241,9 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
     };
     let cause = supervise(supervisor)?;
     tracing::debug!(?cause, "stopping the vCPUs");
+    if cause == StopCause::Interrupted {
+        ctx.tell_state.store(true, Ordering::Release);
+    }
     let vcpu_errors = threads.stop_all();
     tracing::debug!("vCPUs stopped");
     if let Some(err) = vcpu_errors.into_iter().next() {

@@ -409,6 +409,9 @@ pub struct ExitContext {
     pub signal: Arc<GuestExitSignal>,
     /// Set by the VMM to make every vCPU leave its loop.
     pub stop: Arc<AtomicBool>,
+    /// Set with `stop` when the VMM was interrupted (a harness ending a hung guest): each
+    /// vCPU then says where the guest was as it leaves ([`log_state_at_stop`]).
+    pub tell_state: Arc<AtomicBool>,
     /// Where each vCPU adds the exits it served when it leaves its loop.
     pub exits: Arc<Mutex<ExitTally>>,
 }
@@ -478,8 +481,50 @@ pub fn run(mut vcpu: VcpuFd, id: u32, ctx: &ExitContext) -> Result<(), VcpuError
             Err(source) => return Err(VcpuError::Run { id, source }),
         }
     }
+    if ctx.tell_state.load(Ordering::Acquire) {
+        log_state_at_stop(&vcpu, id);
+    }
     Ok(())
 }
+
+/// What KVM's multiprocessing state says of a vCPU, as a note for [`log_state_at_stop`].
+fn mp_state_note(state: u32) -> &'static str {
+    match state {
+        kvm_bindings::KVM_MP_STATE_HALTED => ", halted",
+        kvm_bindings::KVM_MP_STATE_UNINITIALIZED | kvm_bindings::KVM_MP_STATE_INIT_RECEIVED => {
+            ", not started (no INIT-SIPI yet)"
+        }
+        _ => "",
+    }
+}
+
+/// Logs where a stopped vCPU was: a guest that hung says no more itself, and whether each
+/// CPU sat halted with interrupts on (waiting for a device or a timer that never came) or
+/// ran in the kernel (a loop, a lock) is the first thing to know about the hang.
+fn log_state_at_stop(vcpu: &VcpuFd, id: u32) {
+    let (regs, sregs) = match (vcpu.get_regs(), vcpu.get_sregs()) {
+        (Ok(r), Ok(s)) => (r, s),
+        (Err(e), _) | (_, Err(e)) => {
+            tracing::warn!(id, "vCPU state at the stop: unreadable ({e})");
+            return;
+        }
+    };
+    let state = vcpu.get_mp_state().map_or("", |m| mp_state_note(m.mp_state));
+    tracing::warn!(
+        id,
+        "vCPU state at the stop: rip {:#x} ring {} rsp {:#x} rflags {:#x} (interrupts {}) cr3 {:#x}{}",
+        regs.rip,
+        sregs.cs.dpl,
+        regs.rsp,
+        regs.rflags,
+        if regs.rflags & RFLAGS_IF != 0 { "on" } else { "off" },
+        sregs.cr3,
+        state
+    );
+}
+
+/// RFLAGS' interrupt-enable flag.
+const RFLAGS_IF: u64 = 1 << 9;
 
 /// Logs when a vCPU leaves its loop, on every path.
 struct LeaveLog(u32);
@@ -493,6 +538,13 @@ impl Drop for LeaveLog {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn test_the_state_note_tells_halted_and_unstarted_cpus() {
+        assert_eq!(mp_state_note(kvm_bindings::KVM_MP_STATE_HALTED), ", halted");
+        assert_eq!(mp_state_note(kvm_bindings::KVM_MP_STATE_UNINITIALIZED), ", not started (no INIT-SIPI yet)");
+        assert_eq!(mp_state_note(kvm_bindings::KVM_MP_STATE_RUNNABLE), "");
+    }
 
     #[test]
     fn test_gdt_entries_match_segments() {
