@@ -368,6 +368,15 @@ fn print_profiles(results: &[VmResult]) {
             runs.iter().map(|(_, l)| format!("{:>16}", value(l, "initcall", f).unwrap_or("-".into()))).collect();
         println!("xtask: bench: profile:   {:<36}{row}", f.chars().take(36).collect::<String>());
     }
+    let sources = keys("interrupts");
+    if !sources.is_empty() {
+        println!("xtask: bench: profile: interrupts to the agent (all CPUs){header}");
+        for n in &sources {
+            let row: String =
+                runs.iter().map(|(_, l)| format!("{:>16}", value(l, "interrupts", n).unwrap_or("-".into()))).collect();
+            println!("xtask: bench: profile:   {n:<36}{row}");
+        }
+    }
     for (name, lines) in &runs {
         for w in lines.iter().filter(|w| w[0] == "gap" && w.len() > 3).take(5) {
             println!("xtask: bench: profile: {name}: silent {} s before {} s: {}", w[1], w[2], w[3..].join(" "));

@@ -5,7 +5,7 @@
 //! and the longest silences in the log (a calibration loop, a probe timing out).
 //!
 //! Every figure is a diagnostic line prefixed [`LINE_PREFIX`]: `milestone SECONDS NAME`,
-//! `initcall USECS FUNCTION`, `initcalls USECS COUNT` (their sum),
+//! `initcall USECS FUNCTION`, `initcalls USECS COUNT` (their sum), `interrupts N SOURCE`,
 //! `gap SECONDS AT_SECONDS LINE` (the line that ended the silence) and `cpuflags N FLAG...`
 //! (the CPU features Linux saw, N of them: a VMM that hides or adds one changes which code
 //! the guest runs, such as its string copies).
@@ -19,6 +19,8 @@ pub const LINE_PREFIX: &str = "profile| ";
 const TOP_INITCALLS: usize = 20;
 /// How many of the longest silences are listed.
 const TOP_GAPS: usize = 8;
+/// How many interrupt sources are listed.
+const TOP_INTERRUPTS: usize = 10;
 
 /// Log lines that mark a stage of the boot, with the milestone's name.
 const MILESTONES: [(&str, &str); 11] = [
@@ -43,9 +45,63 @@ pub fn run(_ctx: &Context) -> Vec<Check> {
     };
     let uptime =
         std::fs::read_to_string("/proc/uptime").ok().and_then(|u| u.split_whitespace().next()?.parse::<f64>().ok());
+    let tsc = read_tsc();
     let lines = parse_log(&log);
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    vec![milestones(&lines, uptime), initcalls(&lines), gaps(&lines), cpu_flags(&cpuinfo)]
+    let since_vcpu = uptime.and_then(|up| Some((up, tsc_seconds(&lines, tsc)?)));
+    let interrupts = std::fs::read_to_string("/proc/interrupts").unwrap_or_default();
+    vec![
+        milestones(&lines, since_vcpu, uptime),
+        initcalls(&lines),
+        gaps(&lines),
+        cpu_flags(&cpuinfo),
+        interrupt_counts(&interrupts),
+    ]
+}
+
+/// Each interrupt source of `/proc/interrupts` with its count summed over the CPUs, the
+/// largest first: the local timer (`LOC`) and the IPIs by kind (`RES` rescheduling, `CAL`
+/// function calls, `TLB` shootdowns) are most of a guest's exits that depend on time,
+/// and which of them a boot sends says where to cut.
+fn interrupt_counts(text: &str) -> Check {
+    let mut lines = text.lines();
+    let cpus = lines.next().map_or(0, |header| header.split_whitespace().count());
+    let mut counts: Vec<(String, u64)> = lines
+        .filter_map(|line| {
+            let (name, rest) = line.split_once(':')?;
+            let total = rest.split_whitespace().take(cpus).map_while(|w| w.parse::<u64>().ok()).sum::<u64>();
+            (total > 0).then(|| (name.trim().to_owned(), total))
+        })
+        .collect();
+    if counts.is_empty() {
+        return Check::new("interrupts", Verdict::Skip("/proc/interrupts has no counts".into()));
+    }
+    counts.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    let mut check = Check::new("interrupts", Verdict::Pass);
+    for (name, n) in counts.into_iter().take(TOP_INTERRUPTS) {
+        check = check.note(format!("{LINE_PREFIX}interrupts {n} {name}"));
+    }
+    check
+}
+
+/// The CPU's time-stamp counter.
+fn read_tsc() -> u64 {
+    // SAFETY: RDTSC reads a counter; it has no effect on memory (x86-64 always has it).
+    #[allow(unused_unsafe)]
+    unsafe {
+        core::arch::x86_64::_rdtsc()
+    }
+}
+
+/// `tsc` in seconds, at the frequency the kernel logged (`tsc: Detected 2994.374 MHz
+/// processor`). KVM starts a guest's TSC at 0 when the VMM creates the vCPU, so this is the
+/// time since then, firmware and the kernel's first steps included: the kernel's own
+/// clock starts later, at 0 where the log's timestamps begin.
+fn tsc_seconds(lines: &[LogLine], tsc: u64) -> Option<f64> {
+    let mhz: f64 = lines
+        .iter()
+        .find_map(|l| l.text.strip_prefix("tsc: Detected ")?.strip_suffix(" MHz processor")?.trim().parse().ok())?;
+    (mhz > 0.0).then(|| tsc as f64 / (mhz * 1e6))
 }
 
 /// The first CPU's `flags` line of `/proc/cpuinfo`, sorted.
@@ -76,8 +132,14 @@ fn parse_log(log: &str) -> Vec<LogLine<'_>> {
         .collect()
 }
 
-fn milestones(lines: &[LogLine], uptime: Option<f64>) -> Check {
+/// The milestones found in the log, with `since_vcpu` (uptime, seconds of guest TSC at
+/// the same moment) first as when the vCPUs were created on the kernel's clock: how long
+/// the VMM's firmware and the kernel's start took before the log's first timestamp.
+fn milestones(lines: &[LogLine], since_vcpu: Option<(f64, f64)>, uptime: Option<f64>) -> Check {
     let mut check = Check::new("milestones", Verdict::Pass);
+    if let Some((up, tsc)) = since_vcpu {
+        check = check.note(format!("{LINE_PREFIX}milestone {:.3} vCPUs created (guest TSC 0)", up - tsc));
+    }
     for (marker, name) in MILESTONES {
         if let Some(line) = lines.iter().find(|l| l.text.contains(marker)) {
             check = check.note(format!("{LINE_PREFIX}milestone {:.3} {name}", line.secs));
@@ -148,12 +210,16 @@ mod tests {
         assert_eq!(initcall(lines[3].text), Some(("i8042_init", 780000)));
         assert_eq!(initcall(lines[4].text), Some(("virtio_net_driver_init", 9)));
         assert_eq!(initcall("initcall broken"), None);
+        let detected = parse_log("<6>[    0.000000] tsc: Detected 2000.000 MHz processor\n");
+        assert_eq!(tsc_seconds(&detected, 3_000_000_000), Some(1.5));
+        assert_eq!(tsc_seconds(&lines, 3_000_000_000), None, "no frequency logged");
     }
 
     #[test]
     fn test_reports_milestones_initcalls_and_gaps() {
         let lines = parse_log(LOG);
-        let m = milestones(&lines, Some(1.5));
+        let m = milestones(&lines, Some((1.5, 2.75)), Some(1.5));
+        assert_eq!(m.diagnostics[0], "profile| milestone -1.250 vCPUs created (guest TSC 0)");
         assert!(m.diagnostics.contains(&"profile| milestone 1.210 init started".to_owned()), "{:?}", m.diagnostics);
         assert!(m.diagnostics.contains(&"profile| milestone 1.500 agent profiling".to_owned()));
         let i = initcalls(&lines);
@@ -162,6 +228,22 @@ mod tests {
         let g = gaps(&lines);
         assert!(g.diagnostics[0].starts_with("profile| gap 0.800 0.900 initcall i8042_init"), "{:?}", g.diagnostics);
         assert!(matches!(initcalls(&lines[..2]).verdict, Verdict::Skip(_)));
+    }
+
+    #[test]
+    fn test_counts_interrupts_over_the_cpus_largest_first() {
+        let text = "           CPU0       CPU1       \n\
+                      4:        120          0  IR-IO-APIC    4-edge      ttyS0\n\
+                    LOC:       1500        310   Local timer interrupts\n\
+                    RES:         40        160   Rescheduling interrupts\n\
+                    TLB:          0          0   TLB shootdowns\n\
+                    ERR:          0\n";
+        let c = interrupt_counts(text);
+        assert_eq!(
+            c.diagnostics,
+            ["profile| interrupts 1810 LOC", "profile| interrupts 200 RES", "profile| interrupts 120 4"]
+        );
+        assert!(matches!(interrupt_counts("").verdict, Verdict::Skip(_)));
     }
 
     #[test]
