@@ -84,8 +84,20 @@ impl Default for L1Config {
 impl L1Config {
     /// L1's kernel command line. `GDRVM_LOG` from the host reaches gdrvm in L1 as init's
     /// environment (the kernel passes `KEY=value` words without a dot to init).
+    ///
+    /// Every L1 CPU but the first is `nohz_full`: a CPU running one vCPU thread stops its
+    /// 250 Hz tick, and each tick of L1's would be an exit of the guest on it (a host
+    /// interrupt), which nested costs 55-100 µs and takes the guest's time. Measured
+    /// 2026-12-03, `cargo xtask bench boot` in the same hour: gdrvm's exits to the first
+    /// KTAP line 6710 -> 5283 (host interrupts 1666 -> 1177) and QEMU `-M pc`'s 11310 ->
+    /// 10612. The first CPU keeps its tick: Linux needs one housekeeping CPU.
     fn cmdline(&self, gdrvm_log: Option<&str>) -> String {
         let mut cmdline = "console=ttyS0 quiet panic=-1 gdrvm.l1".to_owned();
+        match self.smp {
+            0 | 1 => {}
+            2 => cmdline.push_str(" nohz_full=1"),
+            n => cmdline.push_str(&format!(" nohz_full=1-{}", n - 1)),
+        }
         if let Some(filter) = gdrvm_log.filter(|f| !f.is_empty() && !f.contains(char::is_whitespace)) {
             cmdline.push_str(&format!(" GDRVM_LOG={filter}"));
         }
@@ -596,11 +608,15 @@ mod tests {
     #[test]
     fn test_l1_cmdline_carries_log_filter_and_extra_words() {
         let c = L1Config::default();
-        assert_eq!(c.cmdline(None), "console=ttyS0 quiet panic=-1 gdrvm.l1");
-        assert_eq!(c.cmdline(Some("gdrvm=debug")), "console=ttyS0 quiet panic=-1 gdrvm.l1 GDRVM_LOG=gdrvm=debug");
-        assert_eq!(c.cmdline(Some("a b")), "console=ttyS0 quiet panic=-1 gdrvm.l1");
+        let base = "console=ttyS0 quiet panic=-1 gdrvm.l1 nohz_full=1";
+        assert_eq!(c.cmdline(None), base);
+        assert_eq!(c.cmdline(Some("gdrvm=debug")), format!("{base} GDRVM_LOG=gdrvm=debug"));
+        assert_eq!(c.cmdline(Some("a b")), base);
         let c = L1Config { append: " nmi_watchdog=0 ".into(), ..L1Config::default() };
-        assert_eq!(c.cmdline(None), "console=ttyS0 quiet panic=-1 gdrvm.l1 nmi_watchdog=0");
+        assert_eq!(c.cmdline(None), format!("{base} nmi_watchdog=0"));
+        // One CPU has no CPU to spare from housekeeping; four spare three.
+        assert_eq!(L1Config { smp: 1, ..L1Config::default() }.cmdline(None), "console=ttyS0 quiet panic=-1 gdrvm.l1");
+        assert!(L1Config { smp: 4, ..L1Config::default() }.cmdline(None).ends_with(" nohz_full=1-3"));
     }
 
     #[test]
@@ -615,7 +631,7 @@ mod tests {
         let args = c.qemu_args(Path::new("/k"), "/i", 3072, Some(&lab)).join(" ");
         assert!(
             args.contains(
-                "gdrvm.l1 intel_iommu=on -M q35 -device intel-iommu,intremap=on,aw-bits=48 -device edu,bus=lab1"
+                "gdrvm.l1 nohz_full=1-3 intel_iommu=on -M q35 -device intel-iommu,intremap=on,aw-bits=48 -device edu,bus=lab1"
             ),
             "{args}"
         );

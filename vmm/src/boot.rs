@@ -196,14 +196,17 @@ fn load_kernel(mem: &GuestMemoryMmap, config: &VmConfig) -> Result<KernelLoaderR
     result.map_err(|source| BootError::KernelLoad { path, source })
 }
 
-/// Kernel parameters the machine itself implies, ahead of the user's: `pci=noearly`, as
+/// Kernel parameters the machine itself implies, ahead of the user's. `pci=noearly`, as
 /// there is no type-1 configuration mechanism (see `pci`). Without it Linux reads bus 0
 /// and the AMD northbridge slots through ports 0xcf8/0xcfc before it has ECAM (early
 /// quirks and the GART aperture search in `setup_arch`, the AMD root-bus probe at
 /// postcore), about 110 accesses and 220 exits that all read all-ones, and tries the
 /// early MMCONFIG check at `pci_arch_init`, which 6.1 passes only with type 1. ECAM is
 /// taken from MCFG at `acpi_init` either way.
-const MACHINE_ARGS: &str = "pci=noearly";
+///
+/// `8250.nr_uarts=1`: the machine has one UART, COM1. Without it the 8250 driver probes
+/// COM2-4 at their ISA addresses too, each probe a run of port reads that find nothing.
+const MACHINE_ARGS: &str = "pci=noearly 8250.nr_uarts=1";
 
 fn write_cmdline(mem: &GuestMemoryMmap, text: &str) -> Result<(u64, usize), BootError> {
     let text = format!("{MACHINE_ARGS} {text}");
@@ -407,8 +410,8 @@ mod tests {
         assert_eq!(module.size, 12);
         assert_eq!(module.paddr % 4096, 0);
         assert!(module.paddr + module.size <= 64 * MIB);
-        let want = b"pci=noearly console=ttyS0 quiet";
-        let mut cmd = [0u8; 32];
+        let want = b"pci=noearly 8250.nr_uarts=1 console=ttyS0 quiet";
+        let mut cmd = [0u8; 48];
         m.read_slice(&mut cmd, GuestAddress(info.cmdline_paddr)).unwrap();
         assert_eq!(&cmd[..want.len()], want, "the machine's parameters, then the user's");
         assert_eq!(cmd[want.len()], 0);
