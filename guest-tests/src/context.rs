@@ -17,6 +17,9 @@ pub struct Context {
     pub kernel_log: Result<String, String>,
     /// Modules that failed to load during init, with the error.
     pub module_errors: Vec<String>,
+    /// The image's modules init left out: they drive devices none of which is here, or
+    /// only such modules need them.
+    pub modules_left_out: Vec<String>,
 }
 
 impl Context {
@@ -33,6 +36,7 @@ impl Context {
             root: root.to_owned(),
             kernel_log,
             module_errors,
+            modules_left_out: Vec::new(),
         })
     }
 
@@ -86,5 +90,6 @@ pub fn test_context(root: &Path, pci: Vec<gdrvm_model::PciExpectation>) -> Conte
         root: root.to_owned(),
         kernel_log: Ok(String::new()),
         module_errors: vec![],
+        modules_left_out: vec![],
     }
 }

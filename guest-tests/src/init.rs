@@ -57,7 +57,7 @@ pub fn run() -> ! {
     let opts = InitOptions::from_cmdline(&cmdline);
     let status = match Context::load(Path::new("/"), Ok(String::new()), Vec::new()) {
         Ok(ctx) => {
-            let module_errors = load_modules(&ctx);
+            let ModulesLoaded { errors: module_errors, left_out: modules_left_out } = load_modules(&ctx);
             sys::mark(MARK_MODULES);
             if let Err(why) = load_user_modules(&ctx) {
                 // What the user's driver was to be tested by cannot run: 125, as `git
@@ -72,7 +72,7 @@ pub fn run() -> ! {
                 shell()
             } else {
                 let kernel_log = sys::kernel_log().map_err(|e| e.to_string());
-                let ctx = Context { kernel_log, module_errors, ..ctx };
+                let ctx = Context { kernel_log, module_errors, modules_left_out, ..ctx };
                 report(&opts.suites, &ctx)
             }
         }
@@ -132,38 +132,58 @@ fn module_params(cmdline: &str, name: &str) -> String {
         .join(" ")
 }
 
-/// Loads the image's modules, each with its parameters from the kernel command line;
-/// returns the errors of required ones. Optional modules that fail (hardware-specific
-/// ones on other hardware) are only logged; one that drives PCI devices, none of which is
-/// here, is not loaded unless another module of the image needs it (a note in the kernel
-/// log says so).
-fn load_modules(ctx: &Context) -> Vec<String> {
-    let Some(image) = &ctx.image else { return Vec::new() };
+/// The image's modules at boot: what failed and what was left out.
+#[derive(Debug, Default)]
+struct ModulesLoaded {
+    /// The errors of required modules.
+    errors: Vec<String>,
+    /// Modules left out: each drives devices none of which is here, or only such
+    /// modules need it.
+    left_out: Vec<String>,
+}
+
+/// Loads the image's modules, each with its parameters from the kernel command line.
+/// Optional modules that fail (hardware-specific ones on other hardware) are only logged.
+/// A module, required or optional, that drives PCI or virtio devices none of which is
+/// here is left out, and so is every module only such modules need, unless a module
+/// loaded on demand or the user's depends on it ([`modalias::left_out`]); a note in the
+/// kernel log names each.
+fn load_modules(ctx: &Context) -> ModulesLoaded {
+    let Some(image) = &ctx.image else { return ModulesLoaded::default() };
     let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
     let stem = |m: &String| Path::new(m).file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = |m: &String| modalias::module_name(&stem(m));
     let load = |m: &String| {
         sys::load_module(Path::new(m), &module_params(&cmdline, &stem(m)))
             .err()
             .map(|e| format!("cannot load {m}: {e}"))
     };
-    let errors = image.modules.iter().filter_map(load).collect();
     let present = modalias::pci_modaliases(Path::new("/sys/bus/pci/devices"));
-    let all =
-        image.modules.iter().chain(&image.optional_modules).chain(&image.on_demand_modules).chain(&image.user_modules);
-    let needed: std::collections::HashSet<String> =
-        all.filter_map(|m| modalias::ModInfo::read(Path::new(m)).ok()).flat_map(|i| i.depends).collect();
-    for m in &image.optional_modules {
-        let name = modalias::module_name(&stem(m));
-        let absent = modalias::ModInfo::read(Path::new(m)).is_ok_and(|i| i.drives_pci() && !i.matches_any(&present));
-        if absent && !needed.contains(&name) {
-            sys::mark(&format!("gdrvm-agent: {name} not loaded: no PCI device here that it drives"));
+    let info = |m: &String| modalias::ModInfo::read(Path::new(m)).unwrap_or_default();
+    let at_boot: Vec<(String, modalias::ModInfo)> =
+        image.modules.iter().chain(&image.optional_modules).map(|m| (name(m), info(m))).collect();
+    let needed_elsewhere: std::collections::HashSet<String> =
+        image.on_demand_modules.iter().chain(&image.user_modules).flat_map(|m| info(m).depends).collect();
+    let out = modalias::left_out(&at_boot, &present, &needed_elsewhere);
+    let mut loaded = ModulesLoaded::default();
+    for (m, required) in
+        image.modules.iter().map(|m| (m, true)).chain(image.optional_modules.iter().map(|m| (m, false)))
+    {
+        if out.contains(&name(m)) {
+            sys::mark(&format!(
+                "gdrvm-agent: {} not loaded: no device here that it or a module needing it drives",
+                name(m)
+            ));
+            loaded.left_out.push(name(m));
             continue;
         }
-        if let Some(e) = load(m) {
-            println!("# gdrvm-agent: {e} (optional)");
+        match load(m) {
+            Some(e) if required => loaded.errors.push(e),
+            Some(e) => println!("# gdrvm-agent: {e} (optional)"),
+            None => {}
         }
     }
-    errors
+    loaded
 }
 
 /// Exit status of a guest that cannot test (the harness's and `git bisect run`'s 125).

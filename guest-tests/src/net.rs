@@ -462,6 +462,7 @@ mod tests {
             root: root.path().to_owned(),
             kernel_log: Ok(String::new()),
             module_errors: vec![],
+            modules_left_out: vec![],
         };
         assert_eq!(find_interface(&ctx, "nic0", Duration::ZERO), Ok(("0000:03:00.0".into(), "eth1".into())));
         assert_eq!(

@@ -437,6 +437,7 @@ mod tests {
                 root: self.root().to_owned(),
                 kernel_log: Ok(String::new()),
                 module_errors: vec![],
+                modules_left_out: vec![],
             }
         }
 

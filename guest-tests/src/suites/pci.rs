@@ -537,6 +537,7 @@ mod tests {
             root: root.path().to_owned(),
             kernel_log: Ok(String::new()),
             module_errors: vec![],
+            modules_left_out: vec![],
         };
         run(&ctx)
     }
@@ -594,6 +595,7 @@ mod tests {
             root: root.path().to_owned(),
             kernel_log: Ok(String::new()),
             module_errors: vec![],
+            modules_left_out: vec![],
         };
         let checks = run(&ctx(true));
         assert_eq!(failed(&checks), []);
@@ -615,6 +617,7 @@ mod tests {
                 root: root.path().to_owned(),
                 kernel_log: Ok(String::new()),
                 module_errors: vec![],
+                modules_left_out: vec![],
             };
             failed(&run(&ctx))
         };
@@ -691,6 +694,7 @@ mod tests {
             root: root.path().to_owned(),
             kernel_log: Ok(String::new()),
             module_errors: vec![],
+            modules_left_out: vec![],
         };
         crate::ktap::render(&[crate::ktap::SuiteReport { name: "topology".into(), checks: run(&ctx) }])
     }

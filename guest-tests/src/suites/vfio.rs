@@ -792,6 +792,7 @@ mod tests {
             root: root.to_owned(),
             kernel_log: Ok(String::new()),
             module_errors: vec![],
+            modules_left_out: vec![],
         }
     }
 
