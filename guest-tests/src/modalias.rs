@@ -87,16 +87,18 @@ pub fn left_out(
     fn dependents<'a>(modules: &'a [(String, ModInfo)], of: &'a str) -> impl Iterator<Item = &'a (String, ModInfo)> {
         modules.iter().filter(move |(_, info)| info.depends.iter().any(|d| d == of))
     }
-    // Each pass can only move a module one way for good reasons on both sides; as many
-    // passes as modules settle the longest chain.
+    // Until nothing changes: a module a kept one needs comes back, a library only
+    // left-out modules need goes. Each pass settles at least one more link of the longest
+    // dependency chain, so as many passes as modules are enough.
     for _ in 0..=modules.len() {
         let mut changed = false;
-        for (name, _) in modules {
+        for (name, info) in modules {
             let needed_by_kept = dependents(modules, name).any(|(d, _)| !out.contains(d));
             if out.contains(name) && needed_by_kept {
                 out.remove(name);
                 changed = true;
             } else if !out.contains(name)
+                && !info.drives_devices()
                 && !needed_elsewhere.contains(name)
                 && dependents(modules, name).next().is_some()
                 && !needed_by_kept
@@ -309,6 +311,15 @@ mod tests {
         let out = left_out(&virtio_chain(), &[], &rdma);
         assert!(!out.contains("virtio_net") && !out.contains("net_failover") && !out.contains("failover"), "{out:?}");
         assert!(out.contains("virtio_pci") && out.contains("e1000e"), "{out:?}");
+        // A driver whose device is here stays, though only a left-out module needs it;
+        // and a left-out driver comes back for a kept module that needs it.
+        let mut modules = virtio_chain();
+        modules[4].1.depends.push("e1000e".into());
+        modules.push(("e1000e_ptp".into(), ModInfo::parse(b"depends=virtio_net\0")));
+        let e1000e = "pci:v00008086d000010D3sv00008086sd0000A01Fbc02sc00i00".to_owned();
+        let out = left_out(&modules, &[e1000e], &none);
+        assert!(out.contains("virtio_pci") && !out.contains("e1000e"), "{out:?}");
+        assert!(!out.contains("virtio_net") && !out.contains("net_failover"), "{out:?}");
     }
 
     #[test]
