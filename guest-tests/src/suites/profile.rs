@@ -45,13 +45,14 @@ pub fn run(_ctx: &Context) -> Vec<Check> {
     };
     let uptime =
         std::fs::read_to_string("/proc/uptime").ok().and_then(|u| u.split_whitespace().next()?.parse::<f64>().ok());
-    let tsc = read_tsc();
+    let tsc_now = read_tsc();
     let lines = parse_log(&log);
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let since_vcpu = uptime.and_then(|up| Some((up, tsc_seconds(&lines, tsc)?)));
+    // Only a VM's TSC starts when it does; a host's counts from its power-on.
+    let tsc = in_a_vm(&cpuinfo).then(|| tsc_seconds(&lines, tsc_now)).flatten();
     let interrupts = std::fs::read_to_string("/proc/interrupts").unwrap_or_default();
     vec![
-        milestones(&lines, since_vcpu, uptime),
+        milestones(&lines, uptime, tsc),
         initcalls(&lines),
         gaps(&lines),
         cpu_flags(&cpuinfo),
@@ -82,6 +83,11 @@ fn interrupt_counts(text: &str) -> Check {
         check = check.note(format!("{LINE_PREFIX}interrupts {n} {name}"));
     }
     check
+}
+
+/// Whether `/proc/cpuinfo` says a hypervisor runs this machine.
+fn in_a_vm(cpuinfo: &str) -> bool {
+    cpuinfo.lines().any(|l| l.starts_with("flags") && l.split_whitespace().any(|f| f == "hypervisor"))
 }
 
 /// The CPU's time-stamp counter.
@@ -132,12 +138,13 @@ fn parse_log(log: &str) -> Vec<LogLine<'_>> {
         .collect()
 }
 
-/// The milestones found in the log, with `since_vcpu` (uptime, seconds of guest TSC at
-/// the same moment) first as when the vCPUs were created on the kernel's clock: how long
-/// the VMM's firmware and the kernel's start took before the log's first timestamp.
-fn milestones(lines: &[LogLine], since_vcpu: Option<(f64, f64)>, uptime: Option<f64>) -> Check {
+/// The milestones found in the log, and `uptime` as the agent's; with `tsc` (the guest's
+/// TSC in seconds, read with `uptime`) first, when the vCPUs were created on the kernel's
+/// clock: how long the VMM's firmware and the kernel's start took before the log's first
+/// timestamp.
+fn milestones(lines: &[LogLine], uptime: Option<f64>, tsc: Option<f64>) -> Check {
     let mut check = Check::new("milestones", Verdict::Pass);
-    if let Some((up, tsc)) = since_vcpu {
+    if let (Some(up), Some(tsc)) = (uptime, tsc) {
         check = check.note(format!("{LINE_PREFIX}milestone {:.3} vCPUs created (guest TSC 0)", up - tsc));
     }
     for (marker, name) in MILESTONES {
@@ -218,10 +225,12 @@ mod tests {
     #[test]
     fn test_reports_milestones_initcalls_and_gaps() {
         let lines = parse_log(LOG);
-        let m = milestones(&lines, Some((1.5, 2.75)), Some(1.5));
+        let m = milestones(&lines, Some(1.5), Some(2.75));
         assert_eq!(m.diagnostics[0], "profile| milestone -1.250 vCPUs created (guest TSC 0)");
         assert!(m.diagnostics.contains(&"profile| milestone 1.210 init started".to_owned()), "{:?}", m.diagnostics);
         assert!(m.diagnostics.contains(&"profile| milestone 1.500 agent profiling".to_owned()));
+        assert!(!milestones(&lines, Some(1.5), None).diagnostics.iter().any(|d| d.contains("vCPUs created")));
+        assert!(in_a_vm("flags\t\t: fpu hypervisor avx\n") && !in_a_vm("flags\t\t: fpu avx\n"));
         let i = initcalls(&lines);
         assert_eq!(i.diagnostics[0], "profile| initcalls 780129 3");
         assert_eq!(i.diagnostics[1], "profile| initcall 780000 i8042_init");
