@@ -241,6 +241,7 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
     };
     let cause = supervise(supervisor)?;
     tracing::debug!(?cause, "stopping the vCPUs");
+    // Stopped from outside (a harness ending a hung guest): say where the guest was.
     if cause == StopCause::Interrupted {
         ctx.tell_state.store(true, Ordering::Release);
     }
@@ -250,7 +251,7 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
         return Err(err.into());
     }
     let outcome = match (cause, signal.exit()) {
-        (StopCause::Interrupted, _) => Outcome::Interrupted,
+        (StopCause::Interrupted | StopCause::Quit, _) => Outcome::Interrupted,
         (_, Some(GuestExit::Reset)) => Outcome::Reset,
         _ => Outcome::PoweredOff,
     };
@@ -524,8 +525,10 @@ enum StopCause {
     Guest,
     /// A vCPU thread left its loop (error, triple fault).
     VcpuExited,
-    /// SIGINT, SIGTERM or SIGHUP, or Ctrl-A x.
+    /// SIGINT, SIGTERM or SIGHUP.
     Interrupted,
+    /// Ctrl-A x on the console: the user left; nothing to report of the guest.
+    Quit,
 }
 
 /// Feeds the host's standard input to the guest's serial port, pausing while the receive
@@ -607,7 +610,7 @@ impl MutEventSubscriber for Supervisor {
                 }
                 match input.escape.feed(&buf[..n as usize]) {
                     InputAction::Quit => {
-                        self.stop.get_or_insert(StopCause::Interrupted);
+                        self.stop.get_or_insert(StopCause::Quit);
                     }
                     InputAction::Forward(bytes) => {
                         input.pending.extend_from_slice(&bytes);
