@@ -220,7 +220,8 @@ impl VmResult {
             return true;
         }
         if self.outcome == VmOutcome::TimedOut {
-            return self.console.iter().any(|l| l.contains(gdrvm_model::l1::SURVIVED_SIGKILL));
+            return !self.panicked
+                && self.console.iter().any(|l| l.contains(gdrvm_model::l1::SURVIVED_SIGKILL) || halted_for_good(l));
         }
         if self.outcome != VmOutcome::Exited(1) {
             return false;
@@ -261,6 +262,17 @@ impl VmResult {
     pub fn tail(&self) -> &[String] {
         &self.console[self.console.len().saturating_sub(TAIL_LINES)..]
     }
+}
+
+/// Whether `line` is gdrvm's word, as the harness stopped a hung guest, that a vCPU sat in
+/// HLT with interrupts off: a CPU waiting for a paravirtual spinlock kick, which only the
+/// lock's releaser sends. On 2026-12-03 a nested vela guest hung so for 150 s, vCPU 0
+/// halted waiting for its kick while vCPU 3 spun with interrupts off: a kick lost in
+/// nested KVM under TCG. A guest that deadlocks so by itself does it again on its reruns.
+fn halted_for_good(line: &str) -> bool {
+    line.contains(gdrvm_model::VCPU_STATE_LINE)
+        && line.contains(gdrvm_model::VCPU_IRQS_OFF)
+        && line.contains(gdrvm_model::VCPU_HALTED)
 }
 
 #[cfg(test)]
@@ -327,11 +339,25 @@ mod tests {
     }
 
     #[test]
-    fn test_a_hang_counts_only_when_l1_could_not_kill_the_job() {
+    fn test_a_hang_counts_only_when_l1_could_not_kill_the_job_or_a_cpu_waits_for_a_kick() {
         let hung = "[a] # rdma: pairing with b\ngdrvm-l1: left behind by the job: pid 240 (gdrvm)";
         assert!(!result(VmOutcome::TimedOut, hung).lost_to_emulator());
         let stuck = format!("{hung}\n{} pid 240 (gdrvm)", gdrvm_model::l1::SURVIVED_SIGKILL);
         assert!(result(VmOutcome::TimedOut, &stuck).lost_to_emulator());
+        // The vela hang of 2026-12-03, as gdrvm said it (tracing's fields after the text).
+        let waiting = "    ok 53 nccl_03:00.0_04:00.0\n\
+            WARN gdrvm::vcpu: vCPU state at the stop: rip 0xffffffff81a592fa ring 0 rsp 0xffffc90000003e70 \
+            rflags 0x46 (interrupts off) cr3 0x2a10000, halted id=0\n\
+            WARN gdrvm::vcpu: vCPU state at the stop: rip 0xffffffff81a5a45e ring 0 rsp 0xffffc900002d4b50 \
+            rflags 0x46 (interrupts off) cr3 0x2a10000 id=3";
+        assert!(result(VmOutcome::TimedOut, waiting).lost_to_emulator());
+        // Halted with interrupts on is an idle CPU; a guest whose CPUs all idle hung itself.
+        let idle = waiting
+            .replace("0x46 (interrupts off) cr3 0x2a10000, halted", "0x246 (interrupts on) cr3 0x2a10000, halted");
+        assert!(!result(VmOutcome::TimedOut, &idle).lost_to_emulator());
+        let mut panicked = result(VmOutcome::TimedOut, waiting);
+        panicked.panicked = true;
+        assert!(!panicked.lost_to_emulator(), "a panic's CPUs halt so too");
     }
 
     #[test]

@@ -19,6 +19,16 @@ pub const GUEST_RESET_LINE: &str = "gdrvm: the guest reset without reporting a s
 /// harness counts it as a silent reset, and L1's agent answers it with KVM's own record of
 /// the shutdown ([`kvm_exits::Shutdown`]).
 pub const TRIPLE_FAULT_LINE: &str = "triple fault: the guest resets";
+
+/// What `gdrvm run` logs of each vCPU when a signal stops the VM, before its registers
+/// (`vcpu::log_state_at_stop`); [`VCPU_IRQS_OFF`] and [`VCPU_HALTED`] in the same line say
+/// it sat in HLT with interrupts off, where only an NMI or a paravirtual kick (a spinlock
+/// waiter's) wakes it.
+pub const VCPU_STATE_LINE: &str = "vCPU state at the stop:";
+/// See [`VCPU_STATE_LINE`].
+pub const VCPU_IRQS_OFF: &str = "(interrupts off)";
+/// See [`VCPU_STATE_LINE`].
+pub const VCPU_HALTED: &str = ", halted";
 pub mod emulated;
 pub mod host_pci;
 pub mod kvm_exits;

@@ -490,7 +490,7 @@ pub fn run(mut vcpu: VcpuFd, id: u32, ctx: &ExitContext) -> Result<(), VcpuError
 /// What KVM's multiprocessing state says of a vCPU, as a note for [`log_state_at_stop`].
 fn mp_state_note(state: u32) -> &'static str {
     match state {
-        kvm_bindings::KVM_MP_STATE_HALTED => ", halted",
+        kvm_bindings::KVM_MP_STATE_HALTED => gdrvm_model::VCPU_HALTED,
         kvm_bindings::KVM_MP_STATE_UNINITIALIZED | kvm_bindings::KVM_MP_STATE_INIT_RECEIVED => {
             ", not started (no INIT-SIPI yet)"
         }
@@ -505,19 +505,20 @@ fn log_state_at_stop(vcpu: &VcpuFd, id: u32) {
     let (regs, sregs) = match (vcpu.get_regs(), vcpu.get_sregs()) {
         (Ok(r), Ok(s)) => (r, s),
         (Err(e), _) | (_, Err(e)) => {
-            tracing::warn!(id, "vCPU state at the stop: unreadable ({e})");
+            tracing::warn!(id, "{} unreadable ({e})", gdrvm_model::VCPU_STATE_LINE);
             return;
         }
     };
     let state = vcpu.get_mp_state().map_or("", |m| mp_state_note(m.mp_state));
     tracing::warn!(
         id,
-        "vCPU state at the stop: rip {:#x} ring {} rsp {:#x} rflags {:#x} (interrupts {}) cr3 {:#x}{}",
+        "{} rip {:#x} ring {} rsp {:#x} rflags {:#x} {} cr3 {:#x}{}",
+        gdrvm_model::VCPU_STATE_LINE,
         regs.rip,
         sregs.cs.dpl,
         regs.rsp,
         regs.rflags,
-        if regs.rflags & RFLAGS_IF != 0 { "on" } else { "off" },
+        if regs.rflags & RFLAGS_IF != 0 { "(interrupts on)" } else { gdrvm_model::VCPU_IRQS_OFF },
         sregs.cr3,
         state
     );
