@@ -2,6 +2,8 @@
 //! bridge per model host bridge), MCFG, SRAT and SLIT, built with `acpi_tables` and written
 //! into the BIOS area of guest memory.
 
+use std::collections::BTreeSet;
+
 use acpi_tables::fadt::{FADTBuilder, Flags};
 use acpi_tables::gas::{AccessSize, AddressSpace, GAS};
 use acpi_tables::madt::{EnabledStatus, IoApic, LocalInterruptController, ProcessorLocalApic, MADT};
@@ -51,7 +53,7 @@ pub enum AcpiError {
 /// look for it.
 pub fn build(cpus: &[CpuPlace], node: &Node) -> Vec<PlacedTable> {
     let numa = &node.numa;
-    let dsdt = dsdt(&node.host_bridges);
+    let dsdt = dsdt(node);
     let madt = madt(cpus);
     let mut next = layout::ACPI_START + Rsdp::len() as u64;
     let mut place = |bytes: Vec<u8>| {
@@ -196,14 +198,20 @@ fn last_bus(host_bridges: &[HostBridge]) -> u8 {
     host_bridges.iter().map(|hb| hb.last_bus).max().unwrap_or(0)
 }
 
-fn dsdt(host_bridges: &[HostBridge]) -> Vec<u8> {
+fn dsdt(node: &Node) -> Vec<u8> {
     let mut body = Vec::new();
     // \_S5: the sleep type the OS writes to the sleep control register to power off.
     let s5 = aml::Package::new(vec![&S5_SLEEP_TYPE, &0u8, &0u8, &0u8]);
     aml::Name::new("_S5_".into(), &s5).to_aml_bytes(&mut body);
     Com1.to_aml_bytes(&mut body);
-    for (uid, hb) in host_bridges.iter().enumerate() {
-        PciHostBridge { uid: uid as u32, hb }.to_aml_bytes(&mut body);
+    for (uid, hb) in node.host_bridges.iter().enumerate() {
+        let slots = node
+            .functions
+            .iter()
+            .filter(|f| f.host_bridge == uid && f.bdf.bus == hb.first_bus)
+            .map(|f| f.bdf.device)
+            .collect();
+        PciHostBridge { uid: uid as u32, hb, routing: RoutingTable { slots } }.to_aml_bytes(&mut body);
     }
     EcamReservation.to_aml_bytes(&mut body);
     let mut dsdt = Sdt::new(*b"DSDT", 36, 6, OEM_ID, OEM_TABLE_ID, OEM_REVISION);
@@ -246,13 +254,22 @@ pub fn intx_gsi(slot: u8, pin: u8) -> u32 {
     16 + (u32::from(slot) + u32::from(pin)) % 8
 }
 
-/// `_PRT`: every slot's four INTx pins to their IOAPIC inputs ([`intx_gsi`]).
-struct RoutingTable;
+/// `_PRT`: the four INTx pins of every occupied slot of a root bus to their IOAPIC inputs
+/// ([`intx_gsi`]). Only those slots: nothing is ever plugged into the others (the tree is
+/// fixed), devices behind bridges reach a root-bus slot's entries through the swizzle, and
+/// the guest pays for every entry. ACPICA builds each one into an object when it loads the
+/// DSDT, and Linux evaluates and converts the whole table again for every device it
+/// enables: with all 32 slots (128 entries a bridge, as QEMU writes them) vela-a100's five
+/// bridges took a large part of its ACPI start and scan nested.
+struct RoutingTable {
+    /// Device numbers in use on the root bus.
+    slots: BTreeSet<u8>,
+}
 
 impl Aml for RoutingTable {
     fn to_aml_bytes(&self, sink: &mut dyn acpi_tables::AmlSink) {
         let mut table = aml::PackageBuilder::new();
-        for slot in 0..32u8 {
+        for &slot in &self.slots {
             for pin in 0..4u8 {
                 // (address: slot in the high word, any function; pin; no link device; GSI)
                 let address = u32::from(slot) << 16 | 0xffff;
@@ -269,6 +286,7 @@ impl Aml for RoutingTable {
 struct PciHostBridge<'a> {
     uid: u32,
     hb: &'a HostBridge,
+    routing: RoutingTable,
 }
 
 impl Aml for PciHostBridge<'_> {
@@ -309,7 +327,7 @@ impl Aml for PciHostBridge<'_> {
                     &aml::Name::new("_BBN".into(), &bbn),
                     &aml::Name::new("_PXM".into(), &pxm),
                     &aml::Name::new("_CRS".into(), &crs),
-                    &RoutingTable,
+                    &self.routing,
                 ],
             )],
         )
