@@ -338,6 +338,8 @@ enum BenchCmd {
         /// Where VMs run.
         #[arg(long, value_enum, default_value = "auto")]
         runner: RunnerArg,
+        #[command(flatten)]
+        l1: L1Opts,
     },
     /// Time to the agent's first KTAP line on vela-a100 (41 PCI functions, two NUMA nodes)
     /// over minimal (6 functions), same vCPUs and RAM, alternating: the cost of the tree.
@@ -348,6 +350,8 @@ enum BenchCmd {
         /// Where VMs run.
         #[arg(long, value_enum, default_value = "auto")]
         runner: RunnerArg,
+        #[command(flatten)]
+        l1: L1Opts,
     },
     /// ECAM config-access dispatch cost (criterion, no VM exit), against a lock-and-copy
     /// reference in the same process.
@@ -426,8 +430,10 @@ fn main() -> ExitCode {
             soak(&plan, kill, seed, l1.config(), arg)
         }
         Cmd::Fuzz { minutes } => fuzz(minutes),
-        Cmd::Bench { what: BenchCmd::Boot { rounds, profile, runner: arg } } => bench_boot(rounds, profile, arg),
-        Cmd::Bench { what: BenchCmd::Topology { rounds, runner: arg } } => bench_topology(rounds, arg),
+        Cmd::Bench { what: BenchCmd::Boot { rounds, profile, runner: arg, l1 } } => {
+            bench_boot(rounds, profile, arg, l1.config())
+        }
+        Cmd::Bench { what: BenchCmd::Topology { rounds, runner: arg, l1 } } => bench_topology(rounds, arg, l1.config()),
         Cmd::Bench { what: BenchCmd::Ecam } => bench::ecam().map(|_| exit::PASS),
         Cmd::Bench { what: BenchCmd::Vfio { rounds } } => bench_vfio(rounds),
         Cmd::Bench { what: BenchCmd::P2p { rounds, runner: arg } } => bench_p2p(rounds, arg),
@@ -740,11 +746,12 @@ fn record_sysfs(output: &std::path::Path, opts: &RunOpts) -> Result<i32> {
     })
 }
 
-fn bench_boot(rounds: usize, profile: bool, arg: RunnerArg) -> Result<i32> {
+fn bench_boot(rounds: usize, profile: bool, arg: RunnerArg, l1: L1Config) -> Result<i32> {
     let artifacts = build::artifacts()?;
     host::require_commands(&[("qemu-system-x86_64", "qemu-system-x86")])?;
     run_interruptible(async {
-        let runner = runner(artifacts, arg, false).await?;
+        let mut runner = runner(artifacts, arg, false).await?;
+        runner.l1 = l1;
         bench::boot(&runner, rounds, profile).await?;
         Ok(exit::PASS)
     })
@@ -820,10 +827,11 @@ fn bench_net(rounds: usize, arg: RunnerArg) -> Result<i32> {
     })
 }
 
-fn bench_topology(rounds: usize, arg: RunnerArg) -> Result<i32> {
+fn bench_topology(rounds: usize, arg: RunnerArg, l1: L1Config) -> Result<i32> {
     let artifacts = build::artifacts()?;
     run_interruptible(async {
-        let runner = runner(artifacts, arg, false).await?;
+        let mut runner = runner(artifacts, arg, false).await?;
+        runner.l1 = l1;
         bench::topology(&runner, rounds).await?;
         Ok(exit::PASS)
     })
