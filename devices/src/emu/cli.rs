@@ -40,6 +40,10 @@ struct Args {
 
 /// The emulator binaries' main: `kind` says which device it plays.
 pub fn main(kind: EmuKind) -> ExitCode {
+    // Started by gdrvm in a process group of its own, so never in the terminal's
+    // foreground: a write of its log to a `stty tostop` terminal would stop it.
+    // SAFETY: setting a signal's disposition to SIG_IGN touches no memory of ours.
+    unsafe { libc::signal(libc::SIGTTOU, libc::SIG_IGN) };
     let args = Args::parse();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)

@@ -6,7 +6,8 @@
 //! 0.4 s of vela's setup. An endpoint with emulator arguments of its own (an injected
 //! fault) gets a process of its own, so that its fault stays its own.
 //!
-//! The child dies with the VMM (`PR_SET_PDEATHSIG`). Dropping an [`Emulator`] closes its
+//! The child dies with the VMM: its connections close, and it asks for `PR_SET_PDEATHSIG`
+//! itself (`--die-with-parent`). Dropping an [`Emulator`] closes its
 //! endpoint's connection; once every endpoint of a process has been dropped, a healthy
 //! emulator has exited, and one that does not within [`STOP_GRACE`] is killed.
 
@@ -23,8 +24,8 @@ use gdrvm_model::node::{Backing, Node};
 
 /// How long a stopped emulator gets to exit after its sockets closed.
 const STOP_GRACE: Duration = Duration::from_secs(2);
-/// The descriptor number the child finds its first endpoint's socket at; the next
-/// endpoints' follow.
+/// The lowest descriptor number the child's sockets are copied to (above the standard
+/// streams); each is passed by its number (`--fd`).
 const CHILD_FD: i32 = 3;
 /// Where to look for the emulators instead of gdrvm's own directory.
 pub const EMU_DIR_ENV: &str = "GDRVM_EMU_DIR";
@@ -102,29 +103,26 @@ impl Emulator {
                 path.display()
             ));
         }
-        let n = group.len() as i32;
         let mut ours = Vec::with_capacity(group.len());
         let mut theirs = Vec::with_capacity(group.len());
         for _ in group {
             let (mine, child) = UnixStream::pair().map_err(|e| format!("socket pair for {program}: {e}"))?;
-            // Above the numbers the child's ends move to, so that moving one never closes
-            // another that has yet to move.
-            // SAFETY: F_DUPFD_CLOEXEC on a descriptor we own returns a new one or -1.
-            let high = unsafe { libc::fcntl(child.as_raw_fd(), libc::F_DUPFD_CLOEXEC, CHILD_FD + n) };
-            if high < 0 {
+            // A copy the child inherits (not close-on-exec), held only until it is
+            // spawned; the child finds it at the same number.
+            // SAFETY: F_DUPFD on a descriptor we own returns a new one or -1.
+            let inherited = unsafe { libc::fcntl(child.as_raw_fd(), libc::F_DUPFD, CHILD_FD) };
+            if inherited < 0 {
                 return Err(format!("socket pair for {program}: {}", std::io::Error::last_os_error()));
             }
-            // SAFETY: `high` is a fresh descriptor nothing else owns.
-            theirs.push(unsafe { OwnedFd::from_raw_fd(high) });
+            // SAFETY: `inherited` is a fresh descriptor nothing else owns.
+            theirs.push(unsafe { OwnedFd::from_raw_fd(inherited) });
             ours.push(mine);
         }
-        let raw: Vec<i32> = theirs.iter().map(|fd| fd.as_raw_fd()).collect();
-        let vmm = std::process::id() as libc::pid_t;
         let mut command = Command::new(&path);
-        for (k, &i) in group.iter().enumerate() {
-            command.args(["--fd", &(CHILD_FD + k as i32).to_string(), "--function", &node.functions[i].name]);
+        for (fd, &i) in theirs.iter().zip(group) {
+            command.args(["--fd", &fd.as_raw_fd().to_string(), "--function", &node.functions[i].name]);
         }
-        command.args(["--node", &node.source]);
+        command.args(["--node", &node.source, "--die-with-parent"]);
         if let [only] = group {
             command.args(&node.functions[*only].emulator_args);
         }
@@ -132,35 +130,13 @@ impl Emulator {
         // group kills (`timeout`, a CI runner) reach the VMM alone, which stops the guest,
         // tears the devices down through their connections, then closes them, and the
         // emulator exits. In the VMM's group it died with it and the teardown failed (DMA
-        // unmaps, resets) with errors. It still dies with the VMM (`PR_SET_PDEATHSIG`).
+        // unmaps, resets) with errors. It still dies with the VMM: its connections close
+        // (and `--die-with-parent`).
         command.process_group(0);
         command.stdin(std::process::Stdio::null());
-        // SAFETY: the closure runs in the child between fork and exec and calls only
-        // async-signal-safe functions (dup2, signal, prctl, getppid) on descriptors the
-        // parent keeps open until `spawn` returns; `raw` is only read.
-        unsafe {
-            command.pre_exec(move || {
-                for (k, &fd) in raw.iter().enumerate() {
-                    // Onto another number: the copy is not close-on-exec.
-                    if libc::dup2(fd, CHILD_FD + k as i32) < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                }
-                // Out of the terminal's foreground group, a write to a `stty tostop`
-                // terminal would stop the emulator: let it write.
-                if libc::signal(libc::SIGTTOU, libc::SIG_IGN) == libc::SIG_ERR {
-                    return Err(std::io::Error::last_os_error());
-                }
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                // The VMM may have died before the death signal was armed.
-                if libc::getppid() != vmm {
-                    return Err(std::io::Error::other("the VMM exited"));
-                }
-                Ok(())
-            });
-        }
+        // Nothing runs in the child between fork and exec (the emulator sets itself up),
+        // so std starts it with posix_spawn, which does not copy the VMM's page tables:
+        // nested, a fork and exec of each emulator cost 20-40 ms of setup.
         let child = command.spawn().map_err(|e| format!("cannot start {}: {e}", path.display()))?;
         drop(theirs);
         let keys: Vec<&str> = group.iter().map(|&i| node.functions[i].key.as_str()).collect();
