@@ -208,7 +208,7 @@ fn dsdt(node: &Node) -> Vec<u8> {
         let slots = node
             .functions
             .iter()
-            .filter(|f| f.host_bridge == uid && f.bdf.bus == hb.first_bus)
+            .filter(|f| f.host_bridge == uid && f.parent.is_none())
             .map(|f| f.bdf.device)
             .collect();
         PciHostBridge { uid: uid as u32, hb, routing: RoutingTable { slots } }.to_aml_bytes(&mut body);
