@@ -159,7 +159,7 @@ fn modules_loaded(ctx: &Context) -> Check {
         .modules
         .iter()
         .filter_map(|path| {
-            let name = std::path::Path::new(path).file_stem()?.to_str()?.replace('-', "_");
+            let name = crate::modalias::module_name(std::path::Path::new(path).file_stem()?.to_str()?);
             let absent = !ctx.path(&format!("/sys/module/{name}")).exists();
             (absent && !ctx.modules_left_out.contains(&name)).then_some(name)
         })
