@@ -582,3 +582,41 @@ fn test_a_bar_moved_over_ecam_is_not_decoded_there() {
     move_to(back);
     assert_eq!(m.live_slots().into_values().collect::<Vec<_>>(), [(back + 0x1000, (2 << 20) - 0x1000)]);
 }
+
+#[test]
+fn test_backings_open_side_by_side_and_come_back_in_the_nodes_order() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let mut node = Node::preset("vela-a100").unwrap().unwrap();
+    let gpus: Vec<usize> =
+        node.functions.iter().enumerate().filter(|(_, f)| f.name.starts_with("gpu")).map(|(i, _)| i).collect();
+    for (i, f) in node.functions.iter_mut().enumerate() {
+        f.backing = if gpus.contains(&i) { Backing::VfioUser("/fake.sock".into()) } else { Backing::None };
+    }
+    let (open_now, most) = (AtomicUsize::new(0), AtomicUsize::new(0));
+    let asked = Mutex::new(Vec::new());
+    let open = |_: &Node, i: usize| -> Result<Option<Opened>, String> {
+        most.fetch_max(open_now.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
+        lock(&asked).push(i);
+        // Long enough for the others to start while this one waits, as on a server.
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        open_now.fetch_sub(1, Ordering::SeqCst);
+        match i % 2 {
+            0 => Err(format!("function {i} refused")),
+            _ => Ok(None),
+        }
+    };
+    let opened = open_all(&node, &open);
+    assert_eq!(opened.len(), node.functions.len());
+    for (i, result) in opened.iter().enumerate() {
+        match (gpus.contains(&i), result) {
+            (true, Err(e)) => assert_eq!((i % 2, e.as_str()), (0, format!("function {i} refused").as_str())),
+            (true, Ok(None)) => assert_eq!(i % 2, 1),
+            (false, Ok(None)) => {}
+            _ => panic!("function {i}: unexpected {:?}", result.as_ref().map(Option::is_some)),
+        }
+    }
+    let mut asked = asked.into_inner().unwrap();
+    asked.sort_unstable();
+    assert_eq!(asked, gpus, "only functions with a backing are opened, each once");
+    assert!(most.load(Ordering::SeqCst) > 1, "backings were opened one after another");
+}
