@@ -3,8 +3,9 @@
 //!   environment (inside the same L1 when nested), alternating, medians of N runs: time and
 //!   KVM's exit counts to the first KTAP line, gdrvm's setup phases and the exits it served
 //!   by device; `--profile` adds one initcall-timed boot of each, side by side.
-//! - `topology`: the same guest on vela-a100 and on minimal, alternating: the ratio is the
-//!   cost of a big PCIe tree (config accesses, ACPI namespace) to the time to the agent.
+//! - `topology`: the same guest on vela-a100 and on minimal, alternating, both hollow and
+//!   both as preset: the hollow ratio is the cost of a big PCIe tree (config accesses, ACPI
+//!   namespace) to the time to the agent; the preset ratio adds the emulators behind it.
 //! - `ecam`: criterion's figures for one ECAM access, against a reference in the same run.
 //! - `p2p`: criterion's figures for the emulated NIC's DMA into an emulated GPU's BAR
 //!   against host memcpy of the same sizes, and a trapped BAR read through the emulator
