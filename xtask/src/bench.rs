@@ -423,7 +423,8 @@ const NODES: [&str; 2] = ["vela-a100", "minimal"];
 /// `bench p2p`'s.
 pub async fn topology(runner: &Runner, rounds: usize) -> Result<()> {
     println!(
-        "xtask: bench topology: {rounds} rounds of {NODES:?}, hollow and as preset, alternating, {:?} runner",
+        "xtask: bench topology: {rounds} rounds of {NODES:?}, hollow and as preset, order reversed every other \
+         round, {:?} runner",
         runner.kind
     );
     let mut nodes = Vec::new();
@@ -432,30 +433,46 @@ pub async fn topology(runner: &Runner, rounds: usize) -> Result<()> {
     }
     nodes.extend(NODES.map(|name| (name.to_owned(), name.to_owned())));
     let labelled: Vec<(&str, String)> = nodes.iter().map(|(l, n)| (l.as_str(), n.clone())).collect();
-    let medians = time_to_agent(runner, rounds, &labelled).await?;
-    let ratio = |a: Option<f64>, b: Option<f64>| a.zip(b).map(|(a, b)| a / b);
-    match ratio(medians[0], medians[1]) {
-        Some(r) => println!("xtask: bench: ratio vela-a100 / minimal, hollow (the tree) = {r:.3} (target <= 1.10)"),
-        None => println!("xtask: bench: hollow ratio n/a (a node has fewer than {MIN_SAMPLES} samples)"),
-    }
-    match ratio(medians[2], medians[3]) {
-        Some(r) => println!("xtask: bench: ratio vela-a100 / minimal, as preset (tree and emulators) = {r:.3}"),
-        None => println!("xtask: bench: preset ratio n/a (a node has fewer than {MIN_SAMPLES} samples)"),
-    }
+    let times = time_to_agent(runner, rounds, &labelled).await?;
+    times.print_ratio("ratio vela-a100 / minimal, hollow (the tree; target <= 1.10)", 0, 1);
+    times.print_ratio("ratio vela-a100 / minimal, as preset (tree and emulators)", 2, 3);
     Ok(())
 }
 
-/// Boots the agent with no suite on each of `nodes` (label, preset or file), alternating,
-/// `rounds` times (2 vCPUs, 1 GiB), prints each node's median time to the agent and
-/// returns the medians in the same order.
-async fn time_to_agent(runner: &Runner, rounds: usize, nodes: &[(&str, String)]) -> Result<Vec<Option<f64>>> {
+/// Times to the agent: for each node booted, in the order asked, its time in each round
+/// (none where the run gave none).
+struct AgentTimes(Vec<Vec<Option<f64>>>);
+
+impl AgentTimes {
+    /// Prints the median over the rounds of node `a`'s time over node `b`'s in the same
+    /// round. The host's speed drifts by tens of percent within minutes here, more than
+    /// the differences measured: two runs of one round ran close together (their order
+    /// reversed every other round), so the drift cancels in their ratio, not in a ratio
+    /// of medians taken over all rounds.
+    fn print_ratio(&self, what: &str, a: usize, b: usize) {
+        let ratios: Vec<f64> =
+            self.0[a].iter().zip(&self.0[b]).filter_map(|(x, y)| Some(x.as_ref()? / y.as_ref()?)).collect();
+        print_median(what, &ratios, self.0[a].len());
+    }
+}
+
+/// Boots the agent with no suite on each of `nodes` (label, preset or file) in each of
+/// `rounds` rounds (2 vCPUs, 1 GiB), in the order given in even rounds and the reverse in
+/// odd ones, so that no node always follows the same one; prints each node's median time
+/// to the agent and returns every time.
+async fn time_to_agent(runner: &Runner, rounds: usize, nodes: &[(&str, String)]) -> Result<AgentTimes> {
     if rounds < 1 {
         bail!("--rounds must be at least 1");
     }
+    let name = |label: &str, round: usize| format!("{label} #{round}");
     let specs: Vec<VmSpec> = (0..rounds)
         .flat_map(|round| {
-            nodes.iter().map(move |(label, node)| VmSpec {
-                name: format!("{label} #{round}"),
+            let mut order: Vec<&(&str, String)> = nodes.iter().collect();
+            if round % 2 == 1 {
+                order.reverse();
+            }
+            order.into_iter().map(move |(label, node)| VmSpec {
+                name: name(label, round),
                 vmm: Vmm::Gdrvm,
                 image: runner.artifacts.guest.clone(),
                 node: Some(node.clone()),
@@ -468,14 +485,20 @@ async fn time_to_agent(runner: &Runner, rounds: usize, nodes: &[(&str, String)])
         })
         .collect();
     let results = runner.run(&specs).await?;
-    let mut medians = Vec::new();
+    let mut times = Vec::new();
     for (label, _) in nodes {
-        let mine: Vec<&VmResult> = results.iter().filter(|r| r.name.starts_with(&format!("{label} #"))).collect();
-        let times: Vec<f64> = mine.iter().filter_map(|r| r.time_to_ktap.map(|d| d.as_secs_f64())).collect();
-        medians.push(print_median(&format!("{label:<18} time to agent"), &times, mine.len()));
+        let mine: Vec<Option<f64>> = (0..rounds)
+            .map(|round| {
+                let r = results.iter().find(|r| r.name == name(label, round))?;
+                r.time_to_ktap.map(|d| d.as_secs_f64())
+            })
+            .collect();
+        let got: Vec<f64> = mine.iter().flatten().copied().collect();
+        print_median(&format!("{label:<18} time to agent"), &got, rounds);
+        times.push(mine);
     }
     print_l1_incidents(&results);
-    Ok(medians)
+    Ok(AgentTimes(times))
 }
 
 /// The two ways `bench vfio` reaches ivshmem's BAR, in the order each round runs them.
@@ -578,14 +601,11 @@ pub async fn p2p(runner: &Runner, rounds: usize) -> Result<()> {
     }
     let hollow = hollow("vela-a100")?;
     println!(
-        "xtask: bench p2p: {rounds} rounds of vela-a100 emulated and hollow, alternating, {:?} runner",
+        "xtask: bench p2p: {rounds} rounds of vela-a100 emulated and hollow, order reversed every other round, {:?} runner",
         runner.kind
     );
     let nodes = [("vela-a100 emulated", "vela-a100".to_owned()), ("vela-a100 hollow", hollow)];
-    match time_to_agent(runner, rounds, &nodes).await?[..] {
-        [Some(e), Some(h)] => println!("xtask: bench: ratio emulated / hollow = {:.3} (target <= 1.15)", e / h),
-        _ => println!("xtask: bench: ratio n/a (fewer than {MIN_SAMPLES} samples of a kind)"),
-    }
+    time_to_agent(runner, rounds, &nodes).await?.print_ratio("ratio emulated / hollow (target <= 1.15)", 0, 1);
     Ok(())
 }
 
