@@ -3,14 +3,15 @@
 //!   environment (inside the same L1 when nested), alternating, medians of N runs: time and
 //!   KVM's exit counts to the first KTAP line, gdrvm's setup phases and the exits it served
 //!   by device; `--profile` adds one initcall-timed boot of each, side by side.
-//! - `topology`: the same guest on vela-a100 and on minimal, alternating, both hollow and
-//!   both as preset: the hollow ratio is the cost of a big PCIe tree (config accesses, ACPI
-//!   namespace) to the time to the agent; the preset ratio adds the emulators behind it.
+//! - `topology`: the same guest on vela-a100 and on minimal, both hollow and both as
+//!   preset, the order reversed every other round, ratios paired by round: the hollow
+//!   ratio is the cost of a big PCIe tree (config accesses, ACPI namespace) to the time to
+//!   the agent; the preset ratio adds the emulators behind it.
 //! - `ecam`: criterion's figures for one ECAM access, against a reference in the same run.
 //! - `p2p`: criterion's figures for the emulated NIC's DMA into an emulated GPU's BAR
 //!   against host memcpy of the same sizes, and a trapped BAR read through the emulator
 //!   against an in-VMM register read; then vela-a100 with emulated GPUs and NICs against
-//!   the same tree hollow, time to the agent, alternating.
+//!   the same tree hollow, time to the agent, paired by round as `topology` is.
 //! - `net`: TCP and ib_write_bw between the two nodes of `two-node`, gdrvm's wire against
 //!   QEMU's `dgram` netdev, same kernel and guests, alternating, each run in an L1 of its own.
 
@@ -413,7 +414,7 @@ fn print_cpu_flag_differences(runs: &[(&str, Vec<Vec<String>>)]) {
     }
 }
 
-/// The nodes `bench topology` compares, in the order each round runs them.
+/// The nodes `bench topology` compares, in the order even rounds run them.
 const NODES: [&str; 2] = ["vela-a100", "minimal"];
 
 /// Runs the topology benchmark and prints its figures: the two nodes with every endpoint
