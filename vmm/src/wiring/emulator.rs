@@ -17,7 +17,7 @@ use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use gdrvm_model::node::{Backing, Node};
@@ -27,6 +27,10 @@ const STOP_GRACE: Duration = Duration::from_secs(2);
 /// The lowest descriptor number the child's sockets are copied to (above the standard
 /// streams); each is passed by its number (`--fd`).
 const CHILD_FD: i32 = 3;
+/// Held from making a child's inheritable socket copies until it is spawned: backings
+/// open on threads of their own, and a process spawned meanwhile would inherit another
+/// emulator's sockets and hold its connections open after that emulator died.
+static SPAWNING: Mutex<()> = Mutex::new(());
 /// Where to look for the emulators instead of gdrvm's own directory.
 pub const EMU_DIR_ENV: &str = "GDRVM_EMU_DIR";
 
@@ -103,6 +107,7 @@ impl Emulator {
                 path.display()
             ));
         }
+        let spawning = SPAWNING.lock().unwrap_or_else(PoisonError::into_inner);
         let mut ours = Vec::with_capacity(group.len());
         let mut theirs = Vec::with_capacity(group.len());
         for _ in group {
@@ -139,6 +144,7 @@ impl Emulator {
         // nested, a fork and exec of each emulator cost 20-40 ms of setup.
         let child = command.spawn().map_err(|e| format!("cannot start {}: {e}", path.display()))?;
         drop(theirs);
+        drop(spawning);
         let keys: Vec<&str> = group.iter().map(|&i| node.functions[i].key.as_str()).collect();
         tracing::debug!(functions = ?keys, pid = child.id(), "started {program}");
         let process = Arc::new(Process { child, name: format!("{program} for {}", keys.join(", ")) });
