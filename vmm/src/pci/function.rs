@@ -5,6 +5,7 @@
 //! returns what the write meant for the machine; the caller applies that after releasing
 //! the function's lock.
 
+use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use gdrvm_devices::{lock, BarInfo, ConfigOwnership, ConfigWriteEffects, MsiCapability, Owner, PciDevice};
@@ -105,22 +106,24 @@ impl PciFunction {
         self.backend.as_ref().is_some_and(|b| b.ownership.split(reg, len).any(|(owner, _)| owner == Owner::Device))
     }
 
-    /// The whole configuration space as the guest reads it now. The device's bytes come
-    /// from one read of all of it (a vfio-user request, not one per run of its bytes), or
-    /// from `last`, an earlier snapshot, when the caller knows they have not changed since.
-    pub fn snapshot(&self, last: Option<&[u8]>) -> Vec<u8> {
-        let mut bytes = vec![0; CONFIG_SPACE_SIZE];
+    /// Bytes `range` of the configuration space as the guest reads it now. The device's
+    /// bytes come from one read of the range (a vfio-user request, not one per run of its
+    /// bytes), or from `last`, those bytes as an earlier snapshot had them, when the caller
+    /// knows they have not changed since.
+    pub fn snapshot(&self, range: Range<usize>, last: Option<&[u8]>) -> Vec<u8> {
+        let range = range.start.min(CONFIG_SPACE_SIZE)..range.end.min(CONFIG_SPACE_SIZE);
+        let mut bytes = vec![0; range.len()];
         let Some(backend) = &self.backend else {
-            self.config.read(0, &mut bytes);
+            self.config.read(range.start, &mut bytes);
             return bytes;
         };
         match last {
-            Some(last) if last.len() == CONFIG_SPACE_SIZE => bytes.copy_from_slice(last),
-            _ => lock(&backend.device).config_read(0, &mut bytes),
+            Some(last) if last.len() == range.len() => bytes.copy_from_slice(last),
+            _ => lock(&backend.device).config_read(range.start, &mut bytes),
         }
-        for (owner, run) in backend.ownership.split(0, CONFIG_SPACE_SIZE) {
+        for (owner, run) in backend.ownership.split(range.start, range.len()) {
             if owner == Owner::Vmm {
-                self.read(run.start, &mut bytes[run]);
+                self.read(range.start + run.start, &mut bytes[run]);
             }
         }
         bytes

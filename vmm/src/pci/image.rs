@@ -19,6 +19,7 @@
 //! Written by hand: no rust-vmm crate maps configuration space into the guest; QEMU and
 //! Cloud Hypervisor trap every ECAM access.
 
+use std::ops::Range;
 use std::sync::atomic::Ordering;
 
 use vm_memory::mmap::MmapRegion;
@@ -65,7 +66,7 @@ impl ConfigImages {
         let ecam_offsets = imaged.iter().map(|(_, offset, _)| *offset).collect();
         let images = ConfigImages { memory, page_of, ecam_offsets };
         for (i, _, bytes) in imaged {
-            images.update(i, &bytes);
+            images.update(i, 0, &bytes);
         }
         Ok(images)
     }
@@ -80,18 +81,19 @@ impl ConfigImages {
         matches!(self.page_of.get(function), Some(Some(_)))
     }
 
-    /// Brings function `function`'s image up to `bytes` (its whole configuration space),
-    /// if it is imaged. Changed dwords are stored whole (atomically), so a vCPU reading
-    /// meanwhile sees each register either before or after, never torn.
-    pub fn update(&self, function: usize, bytes: &[u8]) {
+    /// Brings the bytes of function `function`'s image from `at` (a dword's offset) up to
+    /// `bytes`, if it is imaged. Changed dwords are stored whole (atomically), so a vCPU
+    /// reading meanwhile sees each register either before or after, never torn.
+    pub fn update(&self, function: usize, at: usize, bytes: &[u8]) {
         let (Some(memory), Some(Some(page))) = (&self.memory, self.page_of.get(function)) else { return };
         let image = memory.as_volatile_slice();
-        let base = page * CONFIG_SPACE_SIZE;
-        for (n, dword) in bytes.chunks_exact(4).take(CONFIG_SPACE_SIZE / 4).enumerate() {
+        let base = page * CONFIG_SPACE_SIZE + (at & !3);
+        let dwords = CONFIG_SPACE_SIZE.saturating_sub(at & !3) / 4;
+        for (n, dword) in bytes.chunks_exact(4).take(dwords).enumerate() {
             let value = u32::from_le_bytes([dword[0], dword[1], dword[2], dword[3]]);
             let at = base + n * 4;
-            // Inside the mapping by construction (`page` < pages, `n * 4` < 4 KiB); a
-            // failure would only leave that dword stale, so it is logged, not unwrapped.
+            // Inside the mapping by construction (`page` < pages, the dword inside its
+            // 4 KiB); a failure would only leave that dword stale, so it is logged.
             match image.load::<u32>(at, Ordering::Relaxed) {
                 Ok(old) if old == value => {}
                 _ => {
@@ -103,11 +105,15 @@ impl ConfigImages {
         }
     }
 
-    /// Function `function`'s image as the guest reads it through the mapping, if imaged.
-    pub fn contents(&self, function: usize) -> Option<Vec<u8>> {
+    /// Bytes `range` of function `function`'s image as the guest reads them through the
+    /// mapping, if it is imaged and the range lies inside its 4 KiB.
+    pub fn contents(&self, function: usize, range: Range<usize>) -> Option<Vec<u8>> {
         let (Some(memory), Some(Some(page))) = (&self.memory, self.page_of.get(function)) else { return None };
-        let mut bytes = vec![0; CONFIG_SPACE_SIZE];
-        memory.as_volatile_slice().read_slice(&mut bytes, page * CONFIG_SPACE_SIZE).ok()?;
+        if range.start > range.end || range.end > CONFIG_SPACE_SIZE {
+            return None;
+        }
+        let mut bytes = vec![0; range.len()];
+        memory.as_volatile_slice().read_slice(&mut bytes, page * CONFIG_SPACE_SIZE + range.start).ok()?;
         Some(bytes)
     }
 

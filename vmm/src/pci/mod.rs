@@ -68,7 +68,7 @@ impl PciSegment {
             .zip(offsets)
             .enumerate()
             .filter(|(_, (f, _))| f.imageable())
-            .map(|(i, (f, offset))| (i, offset, f.snapshot(None)));
+            .map(|(i, (f, offset))| (i, offset, f.snapshot(0..CONFIG_SPACE_SIZE, None)));
         let images = ConfigImages::new(functions.len(), imaged).unwrap_or_else(|e| {
             tracing::warn!("cannot allocate configuration images ({e}): every configuration read exits");
             ConfigImages::none(functions.len())
@@ -86,7 +86,7 @@ impl PciSegment {
     pub fn refresh_image(&self, i: usize) {
         if let (true, Some(f)) = (self.images.is_imaged(i), self.functions.get(i)) {
             let f = lock(f);
-            self.images.update(i, &f.snapshot(None));
+            self.images.update(i, 0, &f.snapshot(0..CONFIG_SPACE_SIZE, None));
         }
     }
 
@@ -125,13 +125,21 @@ impl PciSegment {
             let mut f = lock(f);
             let effects = f.write(offset, data);
             // Under the lock, so that concurrent writes leave the image as the last one. A
-            // device's bytes are read back after a write that reached it, which has had its
-            // reply: an emulator rewrites its shared configuration before replying. After a
-            // write of the VMM's bytes alone (BARs, MSI) the device's are as the image has
-            // them: an imaged device's bytes change only through writes and resets.
+            // write that reached the device may have changed any of its bytes: they are
+            // read back, after the write has had its reply (an emulator rewrites its shared
+            // configuration before replying). A write of the VMM's bytes alone (a hollow
+            // function's, BARs, MSI) changed only the dwords it touched, and the device's
+            // bytes among them are as the image has them: an imaged device's bytes change
+            // only through writes and resets. Refreshing just those dwords keeps a write
+            // to a bridge at a few dozen bytes copied, not three times 4 KiB.
             if self.images.is_imaged(i) {
-                let last = if f.write_reaches_device(offset, data.len()) { None } else { self.images.contents(i) };
-                self.images.update(i, &f.snapshot(last.as_deref()));
+                let (range, last) = if f.write_reaches_device(offset, data.len()) {
+                    (0..CONFIG_SPACE_SIZE, None)
+                } else {
+                    let range = offset & !3..(offset + data.len()).next_multiple_of(4).min(CONFIG_SPACE_SIZE);
+                    (range.clone(), self.images.contents(i, range))
+                };
+                self.images.update(i, range.start, &f.snapshot(range, last.as_deref()));
             }
             effects
         };

@@ -16,7 +16,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use super::*;
 use crate::irq::{GsiRouter, IrqError, RoutingSink};
-use crate::pci::{Ecam, PciSegment};
+use crate::pci::{Ecam, PciSegment, CONFIG_SPACE_SIZE};
 
 /// What the fakes saw.
 #[derive(Default)]
@@ -503,7 +503,7 @@ fn test_configuration_images_are_mapped_read_only_and_removed_first() {
     assert_eq!(slot.userspace_addr, page.host_addr);
     let mut ids = [0u8; 4];
     mmio.read(ecam(host), &mut ids);
-    assert_eq!(pci.images().contents(host).unwrap()[..4], ids);
+    assert_eq!(pci.images().contents(host, 0..CONFIG_SPACE_SIZE).unwrap()[..4], ids);
     // Dropping the wiring removes those slots first, then lets go of the segment.
     drop(wiring);
     let removed: Vec<u32> = lock(&seen).slots.iter().filter(|r| r.memory_size == 0).map(|r| r.slot).collect();
@@ -522,7 +522,7 @@ fn test_images_kvm_refuses_leave_their_reads_to_exit() {
     m.mmio.read(gdrvm_model::layout::ECAM_BASE, &mut ids);
     assert_ne!(ids, [0xff; 4]);
     let host = m.node.functions.iter().position(|f| (f.bdf.bus, f.bdf.device, f.bdf.function) == (0, 0, 0)).unwrap();
-    assert_eq!(m.pci.images().contents(host).unwrap()[..4], ids);
+    assert_eq!(m.pci.images().contents(host, 0..CONFIG_SPACE_SIZE).unwrap()[..4], ids);
 }
 
 #[test]
@@ -539,7 +539,7 @@ fn test_an_emulated_function_is_imaged_and_its_image_follows_writes() {
         }
         bytes
     };
-    assert_eq!(m.pci.images().contents(m.nic).unwrap(), read_all(), "at start");
+    assert_eq!(m.pci.images().contents(m.nic, 0..CONFIG_SPACE_SIZE).unwrap(), read_all(), "at start");
     // BAR sizing (the VMM's bytes), a command write and one into the device's own bytes.
     // The image follows the VMM's bytes without asking the device (a request each, to an
     // emulator), and re-reads the device's in one request after a write that reached it.
@@ -550,8 +550,12 @@ fn test_an_emulated_function_is_imaged_and_its_image_follows_writes() {
     m.config_write(PCI_COMMAND, &(PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER).to_le_bytes());
     assert_eq!(reads(), before + 1, "a command write reads the device once");
     m.config_write(0x40, &0x1234_5678u32.to_le_bytes());
-    assert_eq!(m.pci.images().contents(m.nic).unwrap(), read_all(), "after writes");
-    assert_ne!(m.pci.images().contents(m.nic).unwrap()[0x10..0x14], m.bar0().to_le_bytes()[..4], "sizing shows");
+    assert_eq!(m.pci.images().contents(m.nic, 0..CONFIG_SPACE_SIZE).unwrap(), read_all(), "after writes");
+    assert_ne!(
+        m.pci.images().contents(m.nic, 0..CONFIG_SPACE_SIZE).unwrap()[0x10..0x14],
+        m.bar0().to_le_bytes()[..4],
+        "sizing shows"
+    );
 }
 
 #[test]
