@@ -6,7 +6,10 @@
 //! [`emulated::REGS`]) and every other BAR as memory (a sparse memfd the client maps). The
 //! configuration space is offered for mmap too, as a size-sealed memfd rewritten before each
 //! write's reply: the VMM reads it without a round trip (a guest's PCI scan reads each
-//! function about a hundred times); writes still go by message, so the device sees them. The
+//! function about a hundred times); writes still go by message, so the device sees them,
+//! except that the VMM keeps the Command register's I/O and memory enable bits: it maps and
+//! parks the BARs itself, and tells the device the register only when another bit (bus
+//! mastering, INTx disable) changes, so the device's copy of those two bits may be stale. The
 //! register contract is [`gdrvm_model::emulated`]; the part both devices share (identity,
 //! kind, version, scratch, interrupt doorbell and count) is here, the rest in [`gpu`] and
 //! [`nic`].

@@ -8,6 +8,7 @@
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
+use gdrvm_devices::pci_regs::{PCI_COMMAND, PCI_COMMAND_IO, PCI_COMMAND_MEMORY};
 use gdrvm_devices::{lock, BarInfo, ConfigOwnership, ConfigWriteEffects, MsiCapability, Owner, PciDevice};
 
 use super::{ConfigSpace, CONFIG_SPACE_SIZE};
@@ -31,6 +32,13 @@ pub struct Backend {
     /// which serve the configuration space the VMM shows and nothing else. Such a function
     /// is imaged like one with nothing behind it.
     pub config_follows_writes: bool,
+    /// Whether the Command register is the VMM's, and the device is told it only when a
+    /// bit other than I/O and memory space enable changes: true for gdrvm's own emulators,
+    /// whose BARs the VMM maps and parks itself with decode, and which act on bus mastering
+    /// and INTx disable alone. Linux turns decode off and on around sizing each BAR; each
+    /// toggle told would be a request to another process. The register must then be
+    /// VMM-owned in `ownership`.
+    pub owns_decode: bool,
 }
 
 /// A function of the segment.
@@ -88,6 +96,13 @@ impl PciFunction {
                     msi_events.extend(msi.write(at - *cap, &data[run]));
                 }
                 (Owner::Vmm, _) => {}
+            }
+        }
+        if backend.owns_decode {
+            let command = |bytes: &[u8]| u16::from_le_bytes([bytes[PCI_COMMAND], bytes[PCI_COMMAND + 1]]);
+            let now = command(self.config.bytes());
+            if (command(&before) ^ now) & !(PCI_COMMAND_IO | PCI_COMMAND_MEMORY) != 0 {
+                lock(&backend.device).config_write(PCI_COMMAND, &now.to_le_bytes());
             }
         }
         let mut effects = ConfigWriteEffects::between(&before, self.config.bytes(), &backend.bars, backend.msix_cap);

@@ -649,6 +649,10 @@ fn wire_device(
     for regs in VMM_OWNED {
         ownership.assign(regs, Owner::Vmm);
     }
+    let emulated = emulator::program(&f.backing).is_some();
+    if emulated {
+        ownership.assign(PCI_COMMAND..PCI_COMMAND + 2, Owner::Vmm);
+    }
     let msix = layout
         .map(|l| MsixState::new(l, device.clone(), irq.clone()).map(Arc::new))
         .transpose()
@@ -682,7 +686,8 @@ fn wire_device(
         bars: bars.clone(),
         msix_cap: layout.map(|l| l.cap),
         msi: emulated_msi,
-        config_follows_writes: emulator::program(&f.backing).is_some(),
+        config_follows_writes: emulated,
+        owns_decode: emulated,
     };
     let function = PciFunction::backed(ConfigSpace::for_passthrough(node, i, backend.msix_cap), backend);
     let intx = pin

@@ -548,8 +548,9 @@ fn test_an_emulated_function_is_imaged_and_its_image_follows_writes() {
     m.config_write(0x10, &u32::MAX.to_le_bytes());
     assert_eq!(reads(), before, "a BAR write does not read the device");
     m.config_write(PCI_COMMAND, &(PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER).to_le_bytes());
-    assert_eq!(reads(), before + 1, "a command write reads the device once");
+    assert_eq!(reads(), before, "the command register is the VMM's: a write to it does not read the device");
     m.config_write(0x40, &0x1234_5678u32.to_le_bytes());
+    assert_eq!(reads(), before + 1, "a write that reached the device reads it once");
     assert_eq!(m.pci.images().contents(m.nic, 0..CONFIG_SPACE_SIZE).unwrap(), read_all(), "after writes");
     assert_ne!(
         m.pci.images().contents(m.nic, 0..CONFIG_SPACE_SIZE).unwrap()[0x10..0x14],
@@ -623,4 +624,45 @@ fn test_backings_open_side_by_side_and_come_back_in_the_nodes_order() {
     asked.sort_unstable();
     assert_eq!(asked, gpus, "only functions with a backing are opened, each once");
     assert!(most.load(Ordering::SeqCst) > 1, "backings were opened one after another");
+}
+
+#[test]
+fn test_an_emulator_is_told_the_command_register_only_when_more_than_decode_changes() {
+    let told = |m: &Machine| -> Vec<u16> {
+        let seen = lock(&m.seen);
+        seen.config_writes
+            .iter()
+            .filter(|(reg, _)| *reg == PCI_COMMAND)
+            .map(|(_, v)| u16::from_le_bytes([v[0], v[1]]))
+            .collect()
+    };
+    let m = machine_on(Node::preset("minimal").unwrap().unwrap(), &["nic0"], Backing::EmulatedNic);
+    let at_start = told(&m);
+    // Decode off, the BAR moved, decode on: the VMM moves the BAR's slots, and the
+    // emulator hears of none of it.
+    let new = m.bar0() + (64 << 20);
+    m.config_write(PCI_COMMAND, &0u16.to_le_bytes());
+    let flags = PCI_BASE_ADDRESS_MEM_TYPE_64 | PCI_BASE_ADDRESS_MEM_PREFETCH;
+    m.config_write(PCI_BASE_ADDRESS_0, &(new as u32 | flags).to_le_bytes());
+    m.config_write(PCI_BASE_ADDRESS_0 + 4, &((new >> 32) as u32).to_le_bytes());
+    m.config_write(PCI_COMMAND, &PCI_COMMAND_MEMORY.to_le_bytes());
+    let slots: Vec<(u64, u64)> = m.live_slots().into_values().collect();
+    assert_eq!(slots, [(new + 0x1000, (2 << 20) - 0x1000)], "the BAR moved with decode");
+    assert_eq!(told(&m), at_start, "decode toggles stay in the VMM");
+    // Bus mastering and INTx disable are the device's business: it is told the register.
+    let on = PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER;
+    m.config_write(PCI_COMMAND, &on.to_le_bytes());
+    m.config_write(PCI_COMMAND, &(on | PCI_COMMAND_INTX_DISABLE).to_le_bytes());
+    assert_eq!(told(&m)[at_start.len()..], [on, on | PCI_COMMAND_INTX_DISABLE]);
+    let b = m.node.functions[m.nic].bdf;
+    let mut command = [0u8; 2];
+    m.pci.read(b.bus, b.device << 3 | b.function, PCI_COMMAND, &mut command);
+    assert_eq!(u16::from_le_bytes(command), on | PCI_COMMAND_INTX_DISABLE);
+
+    // Another vfio-user server hears every write: its decode may be its own business.
+    let m = machine();
+    let at_start = told(&m).len();
+    m.config_write(PCI_COMMAND, &0u16.to_le_bytes());
+    m.config_write(PCI_COMMAND, &PCI_COMMAND_MEMORY.to_le_bytes());
+    assert_eq!(told(&m)[at_start..], [0, PCI_COMMAND_MEMORY]);
 }
