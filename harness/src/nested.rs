@@ -25,7 +25,7 @@ use crate::oops;
 use crate::process::{forward_lines, spawn, stop};
 use crate::result::{exit, L1Failure, L1Incident, VmOutcome, VmResult, TAIL_LINES};
 use crate::runner::{HarnessError, Runner};
-use crate::spec::{VmSpec, QEMU_FIRMWARE, QEMU_PATH};
+use crate::spec::{VmSpec, HARNESS_CMDLINE, QEMU_FIRMWARE, QEMU_PATH};
 
 /// Time L1 may take to boot and load KVM (measured: 6–8 s; TCG on a loaded host is slower).
 const L1_BOOT_BUDGET: Duration = Duration::from_secs(120);
@@ -96,8 +96,10 @@ impl L1Config {
     /// for every VM it creates, and waits for it, although L1's AMD CPU needs no iTLB
     /// multihit mitigation; KVM_CREATE_VM took 64-77 ms with it and 33-41 ms without, out
     /// of every guest's setup (gdrvm's and QEMU's alike).
+    ///
+    /// [`HARNESS_CMDLINE`]: L1 under TCG spends as long on crypto self-tests as a guest.
     fn cmdline(&self, gdrvm_log: Option<&str>) -> String {
-        let mut cmdline = "console=ttyS0 quiet panic=-1 gdrvm.l1 kvm.nx_huge_pages=never".to_owned();
+        let mut cmdline = format!("console=ttyS0 quiet panic=-1 gdrvm.l1 kvm.nx_huge_pages=never {HARNESS_CMDLINE}");
         match self.smp {
             0 | 1 => {}
             2 => cmdline.push_str(" nohz_full=1"),
@@ -613,7 +615,7 @@ mod tests {
     #[test]
     fn test_l1_cmdline_carries_log_filter_and_extra_words() {
         let c = L1Config::default();
-        let base = "console=ttyS0 quiet panic=-1 gdrvm.l1 kvm.nx_huge_pages=never nohz_full=1";
+        let base = "console=ttyS0 quiet panic=-1 gdrvm.l1 kvm.nx_huge_pages=never cryptomgr.notests nohz_full=1";
         assert_eq!(c.cmdline(None), base);
         assert_eq!(c.cmdline(Some("gdrvm=debug")), format!("{base} GDRVM_LOG=gdrvm=debug"));
         assert_eq!(c.cmdline(Some("a b")), base);
@@ -622,7 +624,7 @@ mod tests {
         // One CPU has no CPU to spare from housekeeping; four spare three.
         assert_eq!(
             L1Config { smp: 1, ..L1Config::default() }.cmdline(None),
-            "console=ttyS0 quiet panic=-1 gdrvm.l1 kvm.nx_huge_pages=never"
+            "console=ttyS0 quiet panic=-1 gdrvm.l1 kvm.nx_huge_pages=never cryptomgr.notests"
         );
         assert!(L1Config { smp: 4, ..L1Config::default() }.cmdline(None).ends_with(" nohz_full=1-3"));
     }
@@ -639,7 +641,7 @@ mod tests {
         let args = c.qemu_args(Path::new("/k"), "/i", 3072, Some(&lab)).join(" ");
         assert!(
             args.contains(
-                "gdrvm.l1 kvm.nx_huge_pages=never nohz_full=1-3 intel_iommu=on -M q35 -device intel-iommu,intremap=on,aw-bits=48 -device edu,bus=lab1"
+                "gdrvm.l1 kvm.nx_huge_pages=never cryptomgr.notests nohz_full=1-3 intel_iommu=on -M q35 -device intel-iommu,intremap=on,aw-bits=48 -device edu,bus=lab1"
             ),
             "{args}"
         );
