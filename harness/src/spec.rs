@@ -76,13 +76,13 @@ pub struct ClusterSpec {
 
 /// Kernel parameters the harness puts before every guest's own: no crypto self-tests.
 /// Debian's kernels test each crypto algorithm as it registers, 0.3-0.5 s of a nested
-/// boot (`crypto_algapi_init` alone 0.37-0.55 s), and test nothing gdrvm is for. A guest
+/// boot (`crypto_algapi_init` alone 0.32-0.55 s), and test nothing gdrvm is for. A guest
 /// that wants them appends `cryptomgr.notests=0`, which, coming later, wins.
 pub const HARNESS_CMDLINE: &str = "cryptomgr.notests";
 
 impl VmSpec {
     /// The command line the guest boots with: [`HARNESS_CMDLINE`], then its own.
-    pub fn kernel_cmdline(&self) -> String {
+    pub(crate) fn kernel_cmdline(&self) -> String {
         format!("{HARNESS_CMDLINE} {}", self.cmdline)
     }
 
