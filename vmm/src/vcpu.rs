@@ -215,7 +215,7 @@ const MCG_CTL_P: u64 = 1 << 8;
 vmm_sys_util::ioctl_iow_nr!(KVM_X86_SETUP_MCE, kvm_bindings::KVMIO, 0x9c, u64);
 vmm_sys_util::ioctl_ior_nr!(KVM_X86_GET_MCE_CAP_SUPPORTED, kvm_bindings::KVMIO, 0x9d, u64);
 
-/// The MCG_CAP every vCPU gets: [`MCE_BANKS`] banks (KVM takes up to 32), and MCG_CTL
+/// The MCG_CAP every vCPU gets: `MCE_BANKS` banks (KVM takes up to 32), and MCG_CTL
 /// where KVM has it; None where KVM emulates no machine checks.
 pub fn mcg_cap(kvm: &kvm_ioctls::Kvm) -> Option<u64> {
     if !kvm.check_extension(kvm_ioctls::Cap::Mce) {
@@ -410,7 +410,7 @@ pub struct ExitContext {
     /// Set by the VMM to make every vCPU leave its loop.
     pub stop: Arc<AtomicBool>,
     /// Set with `stop` when the VMM was interrupted (a harness ending a hung guest): each
-    /// vCPU then says where the guest was as it leaves ([`log_state_at_stop`]).
+    /// vCPU then says where the guest was as it leaves (`log_state_at_stop`).
     pub tell_state: Arc<AtomicBool>,
     /// Where each vCPU adds the exits it served when it leaves its loop.
     pub exits: Arc<Mutex<ExitTally>>,

@@ -83,7 +83,7 @@ fn emulator_dir() -> Option<PathBuf> {
 
 impl Emulator {
     /// Starts one emulator process for functions `group` of `node` (one of
-    /// [`processes`]' groups, or a single endpoint) and returns each function's share of
+    /// `processes`' groups, or a single endpoint) and returns each function's share of
     /// it with the VMM's end of its vfio-user connection, in `group`'s order.
     pub fn start(node: &Node, group: &[usize]) -> Result<Vec<(Emulator, UnixStream)>, String> {
         let dir = emulator_dir().ok_or("cannot tell where gdrvm runs from to find its emulators")?;

@@ -423,7 +423,7 @@ impl DeviceWiring {
 
     /// Maps `pci`'s configuration images read-only over their functions' ECAM pages
     /// (ECAM at `ecam_base`), so that the guest reads those functions without an exit; at
-    /// most [`MAX_IMAGE_SLOTS`], so that BARs keep most of KVM's slots. A page KVM refuses,
+    /// most `MAX_IMAGE_SLOTS`, so that BARs keep most of KVM's slots. A page KVM refuses,
     /// or one past the limit, is left to exit on reads too, with a warning. Once only.
     pub fn map_config_images(&self, pci: &Arc<PciSegment>, ecam_base: u64) {
         let mut images = lock(&self.images);
