@@ -1,5 +1,5 @@
 //! The node description: NUMA nodes, host bridges, root ports, switches and endpoints of a
-//! GPU training node, read from TOML ([`schema`]) and checked into a [`Node`] whose every
+//! GPU training node, read from TOML (`schema`) and checked into a [`Node`] whose every
 //! function has its bus/device/function and place in the tree. Errors name the file, the
 //! key and the reason.
 
