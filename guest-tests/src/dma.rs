@@ -194,7 +194,7 @@ pub fn runs(pages: &[u64], offset: u64, len: u64) -> Option<Vec<Run>> {
 }
 
 /// Locked anonymous memory of whole pages that devices DMA into and out of. Like
-/// [`PinnedPage`], every access is volatile; it reads and writes through [`Mmio`] like a BAR,
+/// [`PinnedPage`], every access is volatile; it reads and writes through [`Mmio`](crate::pcidev::Mmio) like a BAR,
 /// so that one routine fills or checks either.
 #[derive(Debug)]
 pub struct PinnedBuffer {

@@ -147,11 +147,11 @@ pub enum KernelSource {
     Package(KernelPackage),
     /// A kernel built from a tree: its image (`arch/x86/boot/bzImage`, or an ELF vmlinux
     /// with a PVH note) and where `make modules_install INSTALL_MOD_PATH=DIR` put its
-    /// modules (DIR, or DIR/lib/modules/<release>).
+    /// modules (DIR, or `DIR/lib/modules/<release>`).
     Built {
         /// bzImage or vmlinux.
         image: PathBuf,
-        /// INSTALL_MOD_PATH, or the lib/modules/<release> under it.
+        /// INSTALL_MOD_PATH, or the `lib/modules/<release>` under it.
         modules: PathBuf,
     },
 }

@@ -30,9 +30,9 @@ pub struct RingLayout {
     pub size: u16,
     /// Descriptor table (`16 * size` bytes).
     pub desc: usize,
-    /// Available ring: flags, idx, ring[size], used_event.
+    /// Available ring: flags, idx, `ring[size]`, used_event.
     pub avail: usize,
-    /// Used ring: flags, idx, ring[size] of (id, len), avail_event.
+    /// Used ring: flags, idx, `ring[size]` of (id, len), avail_event.
     pub used: usize,
     /// Bytes from offset 0 to the end of the used ring.
     pub len: usize,
