@@ -32,13 +32,6 @@ pub struct Backend {
     /// which serve the configuration space the VMM shows and nothing else. Such a function
     /// is imaged like one with nothing behind it.
     pub config_follows_writes: bool,
-    /// Whether the Command register is the VMM's, and the device is told it only when a
-    /// bit other than I/O and memory space enable changes: true for gdrvm's own emulators,
-    /// whose BARs the VMM maps and parks itself with decode, and which act on bus mastering
-    /// and INTx disable alone. Linux turns decode off and on around sizing each BAR; each
-    /// toggle told would be a request to another process. The register must then be
-    /// VMM-owned in `ownership`.
-    pub owns_decode: bool,
 }
 
 /// A function of the segment.
@@ -98,7 +91,12 @@ impl PciFunction {
                 (Owner::Vmm, _) => {}
             }
         }
-        if backend.owns_decode {
+        // A Command register the VMM owns (gdrvm's emulators', whose BARs the VMM maps and
+        // parks itself with decode, and which act on bus mastering and INTx disable alone)
+        // is told the device only when a bit other than I/O and memory enable changes:
+        // Linux turns decode off and on around sizing each BAR, and each toggle told would
+        // be a request to another process.
+        if backend.ownership.owner(PCI_COMMAND) == Owner::Vmm {
             let command = |bytes: &[u8]| u16::from_le_bytes([bytes[PCI_COMMAND], bytes[PCI_COMMAND + 1]]);
             let now = command(self.config.bytes());
             if (command(&before) ^ now) & !(PCI_COMMAND_IO | PCI_COMMAND_MEMORY) != 0 {

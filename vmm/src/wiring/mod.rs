@@ -649,6 +649,8 @@ fn wire_device(
     for regs in VMM_OWNED {
         ownership.assign(regs, Owner::Vmm);
     }
+    // gdrvm's own emulators leave decode to the VMM: it keeps their Command register and
+    // tells them of the other bits' changes (`PciFunction::write`).
     let emulated = emulator::program(&f.backing).is_some();
     if emulated {
         ownership.assign(PCI_COMMAND..PCI_COMMAND + 2, Owner::Vmm);
@@ -687,7 +689,6 @@ fn wire_device(
         msix_cap: layout.map(|l| l.cap),
         msi: emulated_msi,
         config_follows_writes: emulated,
-        owns_decode: emulated,
     };
     let function = PciFunction::backed(ConfigSpace::for_passthrough(node, i, backend.msix_cap), backend);
     let intx = pin
