@@ -415,7 +415,7 @@ fn wire_devices(
     } else {
         tracing::warn!("KVM has no read-only memory slots: every configuration read exits");
     }
-    devices.start(&config.node, &pci);
+    devices.start(&pci);
     Ok(devices)
 }
 

@@ -42,6 +42,14 @@ impl ConfigSpace {
 
     /// The configuration space of function `i` of `node`, with the addresses and bus
     /// numbers the model assigned already programmed (as firmware leaves them).
+    ///
+    /// The Command register starts at zero: decode and bus mastering off on bridges and
+    /// endpoints alike, as UEFI firmware leaves what no firmware driver used (EDK2's PCI
+    /// bus driver clears the bits it owns when it enumerates) and as Cloud Hypervisor and
+    /// Firecracker boot their guests. Linux keeps the assigned addresses of a function
+    /// whose decode is off and turns decode on when a driver or a port service enables the
+    /// function; and it sizes the BARs of such a function without toggling decode around
+    /// each one, which on a node like vela is 300 configuration writes fewer per boot.
     pub fn for_function(node: &Node, i: usize) -> Self {
         let f = &node.functions[i];
         let mut c = ConfigSpace::empty();
@@ -55,15 +63,9 @@ impl ConfigSpace {
         c.mask16(PCI_COMMAND, COMMAND_WRITABLE);
         if f.kind.is_bridge() {
             c.bridge_header(f.buses.unwrap_or_default(), f.windows.unwrap_or_default(), f.bdf.bus);
-            // Firmware has assigned the windows and lets the bridge forward.
-            c.set16(PCI_COMMAND, PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER);
         } else {
             for bar in &f.bars {
                 c.bar(bar);
-            }
-            if !f.bars.is_empty() {
-                // Firmware has assigned the BARs.
-                c.set16(PCI_COMMAND, PCI_COMMAND_MEMORY);
             }
             if let Some((vendor, device)) = f.subsystem {
                 c.set16(PCI_SUBSYSTEM_VENDOR_ID, vendor);
@@ -99,7 +101,7 @@ impl ConfigSpace {
     /// the addresses the model assigned (the device's own are host addresses the guest must
     /// never see), no expansion ROM, and shadows of the registers the VMM must watch but
     /// the device answers (command; MSI-X control at `msix_cap`). Decode starts off, as
-    /// after the device's reset; the wiring turns it on as firmware would.
+    /// after the device's reset and as [`ConfigSpace::for_function`] leaves every function.
     pub fn for_passthrough(node: &Node, i: usize, msix_cap: Option<usize>) -> Self {
         let f = &node.functions[i];
         let mut c = ConfigSpace::empty();

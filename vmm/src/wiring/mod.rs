@@ -23,7 +23,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use gdrvm_devices::net::{self, WireSpec};
-use gdrvm_devices::pci_regs::{PCI_COMMAND, PCI_COMMAND_MEMORY};
+use gdrvm_devices::pci_regs::PCI_COMMAND;
 use gdrvm_devices::vfio_user::{self, UserConnection, UserDeviceOps, UserDmaTarget};
 use gdrvm_devices::virtio::VirtioNet;
 use gdrvm_devices::{
@@ -381,16 +381,15 @@ impl DeviceWiring {
         Ok((Arc::new(wiring), functions))
     }
 
-    /// Resets every device, then turns on memory decode of every function with a device
-    /// behind it, as firmware leaves the devices it assigned addresses to: their BARs are
-    /// placed where the model put them.
+    /// Resets every device and connects its INTx line. Decode stays off, as firmware that
+    /// assigned the BARs but has no driver for the device leaves it (see
+    /// [`gdrvm_devices::ConfigSpace::for_function`]): the guest's driver turns it on, and
+    /// the BARs are mapped then.
     ///
-    /// Each device starts on a thread of its own and the BARs' DMA mappings are deferred
-    /// to one flush that feeds every target side by side: every step waits on the device
-    /// (a request to its server; for a passed-through GPU, a reset that can take a tenth
-    /// of a second), and one device after another they add up.
-    pub fn start(&self, node: &Node, pci: &PciSegment) {
-        lock(&self.dma).defer();
+    /// Each device starts on a thread of its own: every step waits on the device (a
+    /// request to its server; for a passed-through GPU, a reset that can take a tenth of a
+    /// second), and one device after another they add up.
+    pub fn start(&self, pci: &PciSegment) {
         let start_one = |i: usize, w: &Mutex<Wired>| {
             let reset = {
                 let w = lock(w);
@@ -402,9 +401,6 @@ impl DeviceWiring {
             }
             pci.refresh_image(i);
             lock(w).connect_intx(true);
-            let bdf = node.functions[i].bdf;
-            let devfn = bdf.device << 3 | bdf.function;
-            pci.write(bdf.bus, devfn, PCI_COMMAND, &PCI_COMMAND_MEMORY.to_le_bytes());
         };
         std::thread::scope(|s| {
             for (&i, w) in &self.wired {
@@ -416,9 +412,6 @@ impl DeviceWiring {
                 }
             }
         });
-        if let Err(e) = lock(&self.dma).flush() {
-            tracing::warn!("DMA space: {e}");
-        }
     }
 
     /// Maps `pci`'s configuration images read-only over their functions' ECAM pages

@@ -159,8 +159,19 @@ fn machine() -> Machine {
 }
 
 /// `node` with a fake NIC behind each function named in `backed` (the first is the
-/// machine's `nic`), as `backing` says (a fake either way), and nothing behind the others.
-fn machine_on(mut node: Node, backed: &[&str], backing: Backing) -> Machine {
+/// machine's `nic`), as `backing` says (a fake either way), and nothing behind the others;
+/// started, and each backed function's memory decode turned on, as the guest's driver does.
+fn machine_on(node: Node, backed: &[&str], backing: Backing) -> Machine {
+    let m = started_machine_on(node, backed, backing);
+    for name in backed {
+        let i = m.node.functions.iter().position(|f| f.name == *name).unwrap();
+        m.config_write_to(i, PCI_COMMAND, &PCI_COMMAND_MEMORY.to_le_bytes());
+    }
+    m
+}
+
+/// [`machine_on`] as the wiring starts it, before the guest touches anything.
+fn started_machine_on(mut node: Node, backed: &[&str], backing: Backing) -> Machine {
     let seen: Shared = Arc::default();
     let index = |name: &str| node.functions.iter().position(|f| f.name == name).unwrap();
     let nic = index(backed[0]);
@@ -195,7 +206,7 @@ fn machine_on(mut node: Node, backed: &[&str], backing: Backing) -> Machine {
         gdrvm_model::layout::ECAM_SIZE,
     )
     .unwrap();
-    wiring.start(&node, &pci);
+    wiring.start(&pci);
     Machine { seen, node, nic, mmio, pci, wiring }
 }
 
@@ -238,10 +249,23 @@ impl Machine {
 }
 
 #[test]
-fn test_firmware_places_the_bar_mapped_with_its_msix_page_trapped() {
-    let m = machine();
+fn test_decode_starts_off_and_turning_it_on_maps_the_bar_with_its_msix_page_trapped() {
+    let m = started_machine_on(
+        Node::preset("minimal").unwrap().unwrap(),
+        &["nic0"],
+        Backing::VfioUser("/fake.sock".into()),
+    );
     let bar0 = m.bar0();
-    // The device saw decode on, as firmware leaves it.
+    // Started: the BAR is assigned but decodes nothing, as firmware without a driver leaves it.
+    let mut command = [0u8; 2];
+    let bdf = m.node.functions[m.nic].bdf;
+    m.pci.read(bdf.bus, bdf.device << 3 | bdf.function, PCI_COMMAND, &mut command);
+    assert_eq!(u16::from_le_bytes(command), 0);
+    assert!(m.live_slots().is_empty() && !m.mmio.ranges().iter().any(|&(b, _)| b == bar0));
+    let in_bar = |iova: u64| (bar0..bar0 + (2 << 20)).contains(&iova);
+    assert!(!lock(&m.seen).dma.iter().any(|&(_, iova, _)| in_bar(iova)), "nothing of the BAR in the DMA space yet");
+    // The guest's driver turns decode on; the device hears it.
+    m.config_write(PCI_COMMAND, &PCI_COMMAND_MEMORY.to_le_bytes());
     assert!(lock(&m.seen).config_writes.contains(&(PCI_COMMAND, PCI_COMMAND_MEMORY.to_le_bytes().to_vec())));
     // Device memory past the MSI-X page is one KVM slot; the page itself is trapped.
     let slots: Vec<(u64, u64)> = m.live_slots().into_values().collect();
