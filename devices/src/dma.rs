@@ -136,9 +136,6 @@ struct Target {
 pub struct DmaSpace {
     regions: BTreeMap<u64, DmaRegion>,
     targets: Vec<Target>,
-    /// While deferring ([`DmaSpace::defer`]): the regions added but not yet mapped into any
-    /// target, by address.
-    deferred: Option<Vec<u64>>,
 }
 
 impl DmaSpace {
@@ -158,8 +155,7 @@ impl DmaSpace {
         self.targets.push(Target { id, p2p, target });
         let new = self.targets.len() - 1;
         let mut failures = Vec::new();
-        let deferred = self.deferred.clone().unwrap_or_default();
-        for region in self.regions.values().filter(|r| !deferred.contains(&r.iova)) {
+        for region in self.regions.values() {
             let reached_by = self.reached_by(region);
             for (i, t) in self.targets.iter_mut().enumerate() {
                 // The new target gets everything it reaches; the others, the new device's BARs.
@@ -171,15 +167,9 @@ impl DmaSpace {
         outcome(failures)
     }
 
-    /// Adds `region` and maps it into every target that may reach it (at the next
-    /// [`DmaSpace::flush`] while deferring).
+    /// Adds `region` and maps it into every target that may reach it.
     pub fn add_region(&mut self, region: DmaRegion) -> Result<(), DmaError> {
         self.check_free(region.iova, region.size, None)?;
-        if let Some(deferred) = &mut self.deferred {
-            deferred.push(region.iova);
-            self.regions.insert(region.iova, region);
-            return Ok(());
-        }
         let mut failures = Vec::new();
         let reached_by = self.reached_by(&region);
         for t in self.targets.iter_mut().filter(|t| reached_by(t)) {
@@ -199,11 +189,6 @@ impl DmaSpace {
         self.check_free(new_iova, size, Some(old_iova))?;
         let mut region = self.take(Some(owner), old_iova)?;
         region.iova = new_iova;
-        if let Some(at) = self.deferred.as_mut().and_then(|d| d.iter_mut().find(|iova| **iova == old_iova)) {
-            *at = new_iova;
-            self.regions.insert(new_iova, region);
-            return Ok(());
-        }
         let mut failures = Vec::new();
         let reached_by = self.reached_by(&region);
         for t in self.targets.iter_mut().filter(|t| reached_by(t)) {
@@ -218,62 +203,11 @@ impl DmaSpace {
     /// every target that reaches it.
     pub fn remove_region(&mut self, owner: Option<DeviceId>, iova: u64) -> Result<(), DmaError> {
         let region = self.take(owner, iova)?;
-        if let Some(deferred) = &mut self.deferred {
-            if let Some(at) = deferred.iter().position(|d| *d == iova) {
-                deferred.swap_remove(at);
-                return Ok(());
-            }
-        }
         let mut failures = Vec::new();
         let reached_by = self.reached_by(&region);
         for t in self.targets.iter_mut().filter(|t| reached_by(t)) {
             unmap(t, iova, region.size, &mut failures);
         }
-        outcome(failures)
-    }
-
-    /// Defers mapping the regions added from now on until [`DmaSpace::flush`], which maps
-    /// them all at once: every target takes its share on a thread of its own, so the
-    /// requests to different servers overlap instead of following one another (many BARs
-    /// placed together, when the machine starts).
-    pub fn defer(&mut self) {
-        self.deferred.get_or_insert_with(Vec::new);
-    }
-
-    /// Maps every region added since [`DmaSpace::defer`] into each target that may reach
-    /// it, the targets side by side, and stops deferring. The regions stay in the space
-    /// and in every other target when some mappings fail.
-    pub fn flush(&mut self) -> Result<(), DmaError> {
-        let Some(deferred) = self.deferred.take() else { return Ok(()) };
-        let regions: Vec<&DmaRegion> = deferred.iter().filter_map(|iova| self.regions.get(iova)).collect();
-        let reach: Vec<_> = regions.iter().map(|r| self.reached_by(r)).collect();
-        let mut work: Vec<(&mut Target, Vec<&DmaRegion>)> = self
-            .targets
-            .iter_mut()
-            .map(|t| {
-                let mine = regions.iter().zip(&reach).filter(|(_, reached)| reached(t)).map(|(r, _)| *r).collect();
-                (t, mine)
-            })
-            .filter(|(_, mine): &(_, Vec<_>)| !mine.is_empty())
-            .collect();
-        let map_all = |(t, mine): (&mut Target, Vec<&DmaRegion>)| {
-            let mut failures = Vec::new();
-            for region in mine {
-                map(t, region, &mut failures);
-            }
-            failures
-        };
-        let failures: Vec<TargetError> = if work.len() <= 1 {
-            work.drain(..).flat_map(map_all).collect()
-        } else {
-            std::thread::scope(|s| {
-                let threads: Vec<_> = work.into_iter().map(|job| s.spawn(move || map_all(job))).collect();
-                threads
-                    .into_iter()
-                    .flat_map(|t| t.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
-                    .collect()
-            })
-        };
         outcome(failures)
     }
 
@@ -415,37 +349,6 @@ mod tests {
         space.add_region(ram(2 << 32, 1 << 20)).unwrap();
         assert_eq!(gpu.take(), vec![mapped(&ram(2 << 32, 1 << 20))]);
         assert_eq!(nic.take(), vec![mapped(&ram(2 << 32, 1 << 20))]);
-    }
-
-    #[test]
-    fn test_deferred_regions_reach_every_target_at_the_flush_as_they_are_then() {
-        let mut space = with_ram();
-        let (gpu, nic, nvme) = (Recorder::default(), Recorder::default(), Recorder::default());
-        space.add_target(GPU, Box::new(gpu.clone()), true).unwrap();
-        space.add_target(NIC, Box::new(nic.clone()), true).unwrap();
-        space.add_target(NVME, Box::new(nvme.clone()), false).unwrap();
-        for r in [&gpu, &nic, &nvme] {
-            r.take();
-        }
-        space.defer();
-        let (gpu_bar, nic_bar) = (bar(GPU, 0x38_0000_0000), bar(NIC, 0x39_0000_0000));
-        space.add_region(gpu_bar.clone()).unwrap();
-        space.add_region(nic_bar.clone()).unwrap();
-        // Moved and removed before the flush: no target ever sees where they were.
-        space.move_region(GPU, gpu_bar.iova, 0x3a_0000_0000).unwrap();
-        space.remove_region(Some(NIC), nic_bar.iova).unwrap();
-        space.add_region(ram(2 << 32, 1 << 20)).unwrap();
-        assert!(space.add_region(ram(2 << 32, 1 << 20)).is_err(), "overlaps are refused at once");
-        assert_eq!((gpu.take(), nic.take(), nvme.take()), (vec![], vec![], vec![]), "nothing before the flush");
-        space.flush().unwrap();
-        let moved = DmaRegion { iova: 0x3a_0000_0000, ..gpu_bar };
-        let more_ram = mapped(&ram(2 << 32, 1 << 20));
-        assert_eq!(gpu.take(), vec![more_ram.clone()]);
-        assert_eq!(nic.take(), vec![mapped(&moved), more_ram.clone()]);
-        assert_eq!(nvme.take(), vec![more_ram]);
-        // After the flush, changes reach the targets at once again.
-        space.remove_region(Some(GPU), moved.iova).unwrap();
-        assert_eq!(nic.take(), vec![Op::Unmap { iova: moved.iova, size: moved.size }]);
     }
 
     #[test]
