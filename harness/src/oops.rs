@@ -31,14 +31,17 @@ pub struct Oops {
 
 impl Oops {
     /// A kernel stack overflow hit inside the exception entry code (`error_entry` page
-    /// faulting on its own pushes until the guard page): page faults on memory that is
-    /// mapped, over and over. Nested under QEMU TCG this is how its nested paging loses a
-    /// kernel now and then (L1's and a guest's alike, measured 2026-12-01/02); a real
-    /// kernel bug would take another road to the guard page.
+    /// faulting on its own pushes until the guard page) or at the page-fault handler's
+    /// first steps (`exc_page_fault` reading CR2 and the per-CPU current task, on an entry
+    /// stack): page faults on memory that is mapped, over and over. Nested under QEMU TCG
+    /// this is how its nested paging loses a kernel now and then (L1's and a guest's alike,
+    /// measured 2026-12-01/02, and in `exc_page_fault` on 2026-12-03); a real kernel bug
+    /// overflows its task stack elsewhere, and the double fault names that place.
     pub fn is_entry_fault_recursion(&self) -> bool {
         let overflow =
             ["stack guard page was hit", "double fault", "stack overflow"].iter().any(|h| self.headline.contains(h));
-        overflow && self.rip.as_deref().is_some_and(|r| r.contains(":error_entry+"))
+        let entry = [":error_entry+", ":exc_page_fault+"];
+        overflow && self.rip.as_deref().is_some_and(|r| entry.iter().any(|e| r.contains(e)))
     }
 
     /// One line for tables: headline, task, RIP.
@@ -128,6 +131,8 @@ mod tests {
         assert!(oops.is_entry_fault_recursion());
         assert_eq!(excerpt(&console, Some(&oops), 40), console);
         // The same overflow elsewhere, or another oops in error_entry, is the kernel's own.
+        let in_handler = lines(&console.join("\n").replace("error_entry+0x1a/0xd0", "exc_page_fault+0x15/0x170"));
+        assert!(find(&in_handler).unwrap().is_entry_fault_recursion());
         let elsewhere = lines(&console.join("\n").replace("error_entry+0x1a", "ext4_readdir+0x1a"));
         assert!(!find(&elsewhere).unwrap().is_entry_fault_recursion());
         let null = lines(&console.join("\n").replace("stack guard page was hit", "kernel NULL pointer dereference"));
