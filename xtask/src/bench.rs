@@ -6,7 +6,9 @@
 //! - `topology`: the same guest on vela-a100 and on minimal, both hollow and both as
 //!   preset, the order reversed every other round, ratios paired by round: the hollow
 //!   ratio is the cost of a big PCIe tree (config accesses, ACPI namespace) to the time to
-//!   the agent; the preset ratio adds the emulators behind it.
+//!   the agent; the preset ratio adds the emulators behind it. A ratio with a target gets
+//!   its median's interval: nested, one round's ratio spreads by a third either way, so a
+//!   median of a few rounds alone cannot tell 1.05 from 1.15.
 //! - `ecam`: criterion's figures for one ECAM access, against a reference in the same run.
 //! - `p2p`: criterion's figures for the emulated NIC's DMA into an emulated GPU's BAR
 //!   against host memcpy of the same sizes, and a trapped BAR read through the emulator
@@ -41,6 +43,32 @@ fn median(mut v: Vec<f64>) -> Option<f64> {
 
 /// Fewest samples a median or ratio is printed from.
 const MIN_SAMPLES: usize = 3;
+
+/// How sure a median's interval is meant to be.
+const INTERVAL_COVERAGE: f64 = 0.95;
+
+/// A distribution-free interval for the median of the population `v` was drawn from: the
+/// k-th smallest and k-th largest sample, with k as large as keeps the chance that the
+/// median lies outside at most 1 - [`INTERVAL_COVERAGE`] (the number of samples below it
+/// is binomial, n and 1/2); and that interval's own coverage. None with fewer than 6
+/// samples, where even the smallest and largest cover less.
+fn median_interval(mut v: Vec<f64>) -> Option<(f64, f64, f64)> {
+    let n = v.len();
+    // P(B <= j) for B ~ binomial(n, 1/2), j = 0, 1, ...
+    let mut below = Vec::with_capacity(n + 1);
+    let (mut choose, mut sum) = (1.0f64, 0.0f64);
+    for j in 0..=n {
+        if j > 0 {
+            choose = choose * (n + 1 - j) as f64 / j as f64;
+        }
+        sum += choose;
+        below.push(sum / 2f64.powi(n as i32));
+    }
+    let outside = |k: usize| 2.0 * below[k - 1];
+    let k = (1..=n / 2).take_while(|&k| outside(k) <= 1.0 - INTERVAL_COVERAGE).last()?;
+    v.sort_by(f64::total_cmp);
+    Some((v[k - 1], v[n - k], 1.0 - outside(k)))
+}
 
 /// Prints "`what`: median ... over N of M runs (each run)" and returns the median, or
 /// n/a when fewer than [`MIN_SAMPLES`] runs gave a figure. Figures are in seconds unless
@@ -435,8 +463,8 @@ pub async fn topology(runner: &Runner, rounds: usize) -> Result<()> {
     nodes.extend(NODES.map(|name| (name.to_owned(), name.to_owned())));
     let labelled: Vec<(&str, String)> = nodes.iter().map(|(l, n)| (l.as_str(), n.clone())).collect();
     let times = time_to_agent(runner, rounds, &labelled).await?;
-    times.print_ratio("ratio vela-a100 / minimal, hollow (the tree; target <= 1.10)", 0, 1);
-    times.print_ratio("ratio vela-a100 / minimal, as preset (tree and emulators)", 2, 3);
+    times.print_ratio("ratio vela-a100 / minimal, hollow (the tree; target <= 1.10)", 0, 1, Some(1.10));
+    times.print_ratio("ratio vela-a100 / minimal, as preset (tree and emulators)", 2, 3, None);
     Ok(())
 }
 
@@ -450,10 +478,29 @@ impl AgentTimes {
     /// the differences measured: two runs of one round ran close together (their order
     /// reversed every other round), so the drift cancels in their ratio, not in a ratio
     /// of medians taken over all rounds.
-    fn print_ratio(&self, what: &str, a: usize, b: usize) {
+    ///
+    /// With a `target` (the most the ratio may be), also the median's interval and what
+    /// it says of the target: met (all of the interval at or below it), missed (all of it
+    /// above), or not resolved (the rounds' spread is wider than the distance to it).
+    fn print_ratio(&self, what: &str, a: usize, b: usize, target: Option<f64>) {
         let ratios: Vec<f64> =
             self.0[a].iter().zip(&self.0[b]).filter_map(|(x, y)| Some(x.as_ref()? / y.as_ref()?)).collect();
         print_median(what, &ratios, self.0[a].len());
+        let Some(target) = target else { return };
+        match median_interval(ratios) {
+            Some((lo, hi, coverage)) => println!(
+                "xtask: bench:   its median lies in [{lo:.3}, {hi:.3}] ({:.1}% interval): target <= {target:.2} {}",
+                coverage * 100.0,
+                if hi <= target {
+                    "met"
+                } else if lo > target {
+                    "missed"
+                } else {
+                    "not resolved at this spread: more rounds, or a quieter host"
+                }
+            ),
+            None => println!("xtask: bench:   no interval for that median: fewer than 6 rounds gave a figure"),
+        }
     }
 }
 
@@ -606,7 +653,12 @@ pub async fn p2p(runner: &Runner, rounds: usize) -> Result<()> {
         runner.kind
     );
     let nodes = [("vela-a100 emulated", "vela-a100".to_owned()), ("vela-a100 hollow", hollow)];
-    time_to_agent(runner, rounds, &nodes).await?.print_ratio("ratio emulated / hollow (target <= 1.15)", 0, 1);
+    time_to_agent(runner, rounds, &nodes).await?.print_ratio(
+        "ratio emulated / hollow (target <= 1.15)",
+        0,
+        1,
+        Some(1.15),
+    );
     Ok(())
 }
 
@@ -701,5 +753,22 @@ mod tests {
         assert_eq!(median(vec![]), None);
         assert_eq!(median(vec![3.0, 1.0, 2.0]), Some(2.0));
         assert_eq!(median(vec![4.0, 1.0, 2.0, 3.0]), Some(2.5));
+    }
+
+    #[test]
+    fn test_median_interval_takes_the_order_statistics_the_binomial_allows() {
+        let samples = |n: usize| (1..=n).rev().map(|i| i as f64).collect::<Vec<f64>>();
+        assert_eq!(median_interval(samples(5)), None, "min and max of 5 cover 93.75%");
+        // 6 samples: min and max, 1 - 2/64.
+        assert_eq!(median_interval(samples(6)), Some((1.0, 6.0, 1.0 - 2.0 / 64.0)));
+        // 9: the 2nd smallest and largest, 1 - 2 * 10/512 = 96.1%.
+        let (lo, hi, c) = median_interval(samples(9)).unwrap();
+        assert_eq!((lo, hi), (2.0, 8.0));
+        assert!((c - (1.0 - 20.0 / 512.0)).abs() < 1e-12);
+        // 11: P(B <= 2) = 67/2048, twice that is 6.5%, too much: the 2nd again.
+        assert_eq!(median_interval(samples(11)).map(|(l, h, _)| (l, h)), Some((2.0, 10.0)));
+        // 20: P(B <= 5) = 21700/2^20, twice that is 4.1%: the 6th.
+        assert_eq!(median_interval(samples(20)).map(|(l, h, _)| (l, h)), Some((6.0, 15.0)));
+        assert_eq!(median_interval(Vec::new()), None);
     }
 }
