@@ -180,10 +180,12 @@ impl VmResult {
     /// A sentence for what went wrong at the VM level, if anything did.
     pub fn problem(&self) -> Option<String> {
         match &self.outcome {
-            VmOutcome::TimedOut if self.panicked => {
-                Some(format!("the guest kernel panicked and did not reset within {:.0?}", self.elapsed))
-            }
-            _ if self.panicked => Some("the guest kernel panicked".into()),
+            VmOutcome::TimedOut if self.panicked => Some(format!(
+                "the guest kernel panicked and did not reset within {:.0?}{}",
+                self.elapsed,
+                self.oops_signature()
+            )),
+            _ if self.panicked => Some(format!("the guest kernel panicked{}", self.oops_signature())),
             VmOutcome::Exited(0) if self.ktap.complete() => None,
             VmOutcome::Exited(0) => Some("the guest exited without a complete KTAP report".into()),
             VmOutcome::Exited(1) if self.ktap.complete() => None,
@@ -191,6 +193,13 @@ impl VmResult {
             VmOutcome::TimedOut => Some(format!("the guest hung: no exit within {:.0?}", self.elapsed)),
             VmOutcome::CannotRun(why) => Some(format!("could not run: {why}")),
         }
+    }
+
+    /// ": " and the signature of the guest's first oops (first line, task, RIP), which is
+    /// all a one-line verdict such as a bisect step's can keep of the console; empty when
+    /// the console shows none.
+    fn oops_signature(&self) -> String {
+        self.oops().map(|o| format!(": {}", o.signature())).unwrap_or_default()
     }
 
     fn last_error(&self) -> String {
@@ -402,7 +411,10 @@ mod tests {
         assert!(r.panicked);
         assert_eq!(r.outcome, VmOutcome::Exited(1));
         assert_eq!(r.exit_code(), exit::FAIL);
-        assert_eq!(r.problem().as_deref(), Some("the guest kernel panicked"));
+        assert_eq!(
+            r.problem().as_deref(),
+            Some("the guest kernel panicked: Kernel panic - not syncing: VFS: Unable to mount root fs")
+        );
         let hung = VmResult::new("t", VmOutcome::TimedOut, console, Duration::from_secs(300));
         assert!(hung.problem().unwrap().contains("did not reset"), "{:?}", hung.problem());
         assert_eq!(r.tail().len(), TAIL_LINES);
