@@ -329,8 +329,9 @@ enum BenchCmd {
     /// -M microvm) on the same kernel and initramfs; also gdrvm's setup phases, the exits
     /// it served by device, and its RSS beyond guest RAM.
     Boot {
-        /// Runs of each VMM (the median is reported).
-        #[arg(long, default_value_t = 5)]
+        /// Runs of each VMM (the median is reported; 9 is the fewest whose ratio's 95%
+        /// interval leaves out the extreme round at each end).
+        #[arg(long, default_value_t = 9)]
         rounds: usize,
         /// Also boot each VMM once with initcall timing and show where the boot went.
         #[arg(long)]
@@ -346,8 +347,9 @@ enum BenchCmd {
     /// hollow (the cost of the tree, which the 1.10 target is for), and as the presets have
     /// them (with the emulators behind ten endpoints against two).
     Topology {
-        /// Runs of each node (the median is reported).
-        #[arg(long, default_value_t = 5)]
+        /// Runs of each node (the median is reported; 9 is the fewest whose ratio's 95%
+        /// interval leaves out the extreme round at each end).
+        #[arg(long, default_value_t = 9)]
         rounds: usize,
         /// Where VMs run.
         #[arg(long, value_enum, default_value = "auto")]
