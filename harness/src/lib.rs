@@ -20,4 +20,4 @@ pub use nested::{L1Config, TcgThreads, L1_CPU};
 pub use probe::{choose, RunnerChoice};
 pub use result::{exit, GdrvmStats, L1Failure, L1Incident, VmOutcome, VmResult, TAIL_LINES};
 pub use runner::{HarnessError, Runner, RunnerKind};
-pub use spec::{ClusterSpec, QemuMachine, VmSpec, Vmm, HARNESS_CMDLINE};
+pub use spec::{ClusterSpec, QemuMachine, VmSpec, Vmm};

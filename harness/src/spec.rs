@@ -78,7 +78,7 @@ pub struct ClusterSpec {
 /// Debian's kernels test each crypto algorithm as it registers, 0.3-0.5 s of a nested
 /// boot (`crypto_algapi_init` alone 0.32-0.55 s), and test nothing gdrvm is for. A guest
 /// that wants them appends `cryptomgr.notests=0`, which, coming later, wins.
-pub const HARNESS_CMDLINE: &str = "cryptomgr.notests";
+pub(crate) const HARNESS_CMDLINE: &str = "cryptomgr.notests";
 
 impl VmSpec {
     /// The command line the guest boots with: [`HARNESS_CMDLINE`], then its own.
