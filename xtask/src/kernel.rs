@@ -71,14 +71,17 @@ fn kernel_source(opts: &KernelOpts, recipe: &Recipe) -> Result<(Option<KernelSou
 pub fn guest_image(opts: &KernelOpts, extras: &[gdrvm_images::ExtraFile]) -> Result<BootImage> {
     let recipe = Recipe::load(&gdrvm_images::recipes_dir().join("default.toml"))?;
     let (kernel, release, label) = kernel_source(opts, &recipe)?;
-    let cache = Cache::new(gdrvm_dir().join("cache"));
+    let cache_root = gdrvm_dir().join("cache");
+    sweep_vanished_module_sources(&cache_root);
+    let cache = Cache::new(&cache_root);
     let progress = |line: &str| println!("xtask: image: {line}");
     let mut custom = Customization { kernel, user_modules: Vec::new(), extras: extras.to_vec() };
     let mut name = format!("default@{label}");
     if let Some(src) = &opts.module_src {
+        let source = record_module_source(&cache_root, src)?;
         let headers = headers_dir(opts, &release, &custom)?;
-        custom.user_modules = build_module(src, &headers, &format!("{}@{label}", dir_label(src)))?;
-        name.push_str(&format!("+{}", dir_label(src)));
+        custom.user_modules = build_module(src, &headers, &cache_root, &format!("{source}@{label}"))?;
+        name.push_str(&format!("+{source}"));
     }
     let built = gdrvm_images::build_custom(&recipe, &custom, &name, &cache, &progress)?;
     println!(
@@ -90,9 +93,73 @@ pub fn guest_image(opts: &KernelOpts, extras: &[gdrvm_images::ExtraFile]) -> Res
     Ok(BootImage { kernel: built.vmlinux, initrd: built.initramfs })
 }
 
-/// A short, file-name-safe label for a source directory: its name and a hash of its path.
-fn dir_label(dir: &Path) -> String {
-    let abs = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_owned());
+/// Notes in the cache which directory module source `src` is (`module-src/<label>.source`,
+/// written before anything is built under the label) and returns its label.
+fn record_module_source(cache_root: &Path, src: &Path) -> Result<String> {
+    let abs = std::fs::canonicalize(src).with_context(|| format!("--module-src {}", src.display()))?;
+    let label = dir_label(&abs);
+    let builds = cache_root.join("module-src");
+    std::fs::create_dir_all(&builds).with_context(|| format!("creating {}", builds.display()))?;
+    let record = builds.join(format!("{label}.source"));
+    std::fs::write(&record, abs.to_string_lossy().as_bytes())
+        .with_context(|| format!("writing {}", record.display()))?;
+    Ok(label)
+}
+
+/// Removes the module builds (`module-src/<label>@<kernel>`) and guest images
+/// (`images/default@<kernel>+<label>`) of module sources whose directory is gone, such as
+/// a test's or a bisection's temporary checkout: each would otherwise keep a 25 MB image
+/// in the cache for good. A build without a record (from before records were kept) counts
+/// as gone; a cache entry costs only its rebuild. Failures are logged and skipped.
+fn sweep_vanished_module_sources(cache_root: &Path) {
+    let builds = cache_root.join("module-src");
+    let Ok(entries) = std::fs::read_dir(&builds) else { return };
+    let mut live = std::collections::HashSet::new();
+    let mut known = std::collections::HashSet::new();
+    let mut build_dirs = Vec::new();
+    for entry in entries.filter_map(Result::ok) {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if let Some(label) = name.strip_suffix(".source") {
+            let source = std::fs::read_to_string(entry.path()).unwrap_or_default();
+            if !source.is_empty() && Path::new(&source).is_dir() {
+                live.insert(label.to_owned());
+            } else {
+                remove_cache_entry(&entry.path());
+            }
+            known.insert(label.to_owned());
+        } else if let Some((label, _kernel)) = name.split_once('@') {
+            known.insert(label.to_owned());
+            build_dirs.push((label.to_owned(), entry.path()));
+        }
+    }
+    for (label, dir) in build_dirs {
+        if !live.contains(&label) {
+            remove_cache_entry(&dir);
+        }
+    }
+    let Ok(images) = std::fs::read_dir(cache_root.join("images")) else { return };
+    for entry in images.filter_map(Result::ok) {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        // A label has no '+' (see `dir_label`); a kernel's name may (6.12.117+deb12).
+        let label = name.rsplit_once('+').map(|(_, label)| label);
+        if label.is_some_and(|l| known.contains(l) && !live.contains(l)) {
+            remove_cache_entry(&entry.path());
+        }
+    }
+}
+
+/// Removes a file or directory of the cache, saying so; a failure is only logged.
+fn remove_cache_entry(path: &Path) {
+    let removed = if path.is_dir() { std::fs::remove_dir_all(path) } else { std::fs::remove_file(path) };
+    match removed {
+        Ok(()) => println!("xtask: cache: removed {} (its module source is gone)", path.display()),
+        Err(e) => println!("xtask: cache: could not remove {}: {e}", path.display()),
+    }
+}
+
+/// A short, file-name-safe label for a source directory (`abs`, canonical): its name and
+/// a hash of its path. Only ASCII letters, digits, '_' and '-': never '@' or '+'.
+fn dir_label(abs: &Path) -> String {
     let name: String = abs
         .file_name()
         .map(|n| n.to_string_lossy().chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect())
@@ -140,11 +207,11 @@ fn find_build_link(modules: &Path) -> Option<PathBuf> {
 /// tree is left as it was) named `work` (one per source and kernel, so a matrix's lanes do
 /// not share one), returns the .ko files. A module that does not build is an error
 /// carrying the compiler's words.
-fn build_module(src: &Path, headers: &Path, work: &str) -> Result<Vec<PathBuf>> {
+fn build_module(src: &Path, headers: &Path, cache_root: &Path, work: &str) -> Result<Vec<PathBuf>> {
     if !src.join("Kbuild").is_file() && !src.join("Makefile").is_file() {
         bail!("--module-src {}: no Kbuild or Makefile there", src.display());
     }
-    let work = gdrvm_dir().join("cache").join("module-src").join(work);
+    let work = cache_root.join("module-src").join(work);
     if work.exists() {
         std::fs::remove_dir_all(&work).with_context(|| format!("clearing {}", work.display()))?;
     }
@@ -196,4 +263,54 @@ fn copy_tree(from: &Path, to: &Path) -> std::io::Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_sweep_removes_only_the_builds_and_images_of_vanished_sources() {
+        let cache = tempfile::tempdir().unwrap();
+        let root = cache.path();
+        let kept_src = tempfile::tempdir().unwrap();
+        let gone_src = tempfile::tempdir().unwrap();
+        let kept = record_module_source(root, kept_src.path()).unwrap();
+        let gone = record_module_source(root, gone_src.path()).unwrap();
+        drop(gone_src);
+        let legacy = "drv-0a1b2c3d";
+        let images = root.join("images");
+        let builds = root.join("module-src");
+        let dirs = [
+            images.join("default"),
+            images.join("default@6.12.117+deb12"),
+            images.join(format!("default@6.1.0-57-amd64+{kept}")),
+            images.join(format!("default@6.12.117+deb12+{gone}")),
+            images.join(format!("default@6.1.0-57-amd64+{legacy}")),
+            builds.join(format!("{kept}@6.1.0-57-amd64")),
+            builds.join(format!("{gone}@6.12.117+deb12")),
+            builds.join(format!("{legacy}@6.1.0-57-amd64")),
+        ];
+        for d in &dirs {
+            std::fs::create_dir_all(d).unwrap();
+            std::fs::write(d.join("initramfs.cpio"), b"x").unwrap();
+        }
+
+        sweep_vanished_module_sources(root);
+
+        let exists: Vec<bool> = dirs.iter().map(|d| d.exists()).collect();
+        assert_eq!(exists, [true, true, true, false, false, true, false, false]);
+        assert!(builds.join(format!("{kept}.source")).is_file());
+        assert!(!builds.join(format!("{gone}.source")).exists());
+        // A second sweep finds nothing more to remove.
+        sweep_vanished_module_sources(root);
+        assert_eq!(dirs.iter().map(|d| d.exists()).collect::<Vec<_>>(), exists);
+    }
+
+    #[test]
+    fn test_a_source_label_has_neither_at_nor_plus() {
+        let label = dir_label(Path::new("/tmp/my drv+v2@x"));
+        assert!(label.starts_with("my_drv_v2_x-"), "{label}");
+        assert!(!label.contains(['@', '+']), "{label}");
+    }
 }
