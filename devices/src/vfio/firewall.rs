@@ -15,7 +15,9 @@
 //!
 //! A passed register's other bits keep the device's value: the device is read and the
 //! guest's safe bits merged in (a guest cannot shrink Max_Payload_Size below what the host
-//! programmed, or clear the command bits it does not own).
+//! programmed, or clear the command bits it does not own). A status register's bits other
+//! than its write-1-to-clear ones are read-only in hardware: writing them is no drop
+//! (Linux writes them back whenever it restores a whole dword, after every reset).
 //!
 //! BARs and the expansion ROM BAR are the VMM's (it virtualizes them):
 //! writes to them never reach the device and are not firewall drops. Everything else
@@ -65,6 +67,10 @@ const LNKCTL2_PASS: u16 = PCI_EXP_LNKCTL2_TLS | PCI_EXP_LNKCTL2_HASD;
 enum Rule {
     /// These bits reach the device; the others are dropped.
     Pass(u8),
+    /// A status register's write-1-to-clear bits, which reach the device. Its other bits
+    /// are read-only in hardware, so writing them changes nothing and drops nothing:
+    /// Linux writes them whenever it restores a whole dword (after a reset, on resume).
+    Rw1c(u8),
     /// The VMM virtualizes the register: the device never sees it written.
     Virtual,
     /// Dropped.
@@ -137,7 +143,7 @@ impl Firewall {
         };
         f.set(0..PCI_STD_HEADER_SIZEOF, Rule::Drop(Why::ReadOnly));
         f.pass16(PCI_COMMAND, COMMAND_PASS);
-        f.pass16(PCI_STATUS, PCI_STATUS_ERROR_BITS);
+        f.rw1c16(PCI_STATUS, PCI_STATUS_ERROR_BITS);
         f.set(PCI_CACHE_LINE_SIZE..PCI_LATENCY_TIMER + 1, Rule::Pass(0xff));
         f.set(PCI_BIST..PCI_BIST + 1, Rule::Drop(Why::NotPassed));
         f.set(PCI_BASE_ADDRESS_0..PCI_BASE_ADDRESS_0 + 6 * 4, Rule::Virtual);
@@ -179,9 +185,9 @@ impl Firewall {
             PCI_CAP_ID_EXP => {
                 self.set(body, Rule::Drop(Why::ReadOnly));
                 self.pass16(at + PCI_EXP_DEVCTL, DEVCTL_PASS);
-                self.pass16(at + PCI_EXP_DEVSTA, DEVSTA_PASS);
+                self.rw1c16(at + PCI_EXP_DEVSTA, DEVSTA_PASS);
                 self.pass16(at + PCI_EXP_LNKCTL, !0);
-                self.pass16(at + PCI_EXP_LNKSTA, LNKSTA_PASS);
+                self.rw1c16(at + PCI_EXP_LNKSTA, LNKSTA_PASS);
                 if read16(config, at + PCI_EXP_FLAGS) & PCI_EXP_FLAGS_VERS >= 2 && cap.len >= PCI_EXP_LNKCTL2 + 2 {
                     self.pass16(at + PCI_EXP_DEVCTL2, DEVCTL2_PASS);
                     self.pass16(at + PCI_EXP_LNKCTL2, LNKCTL2_PASS);
@@ -205,6 +211,12 @@ impl Firewall {
         self.set(at + 1..at + 2, Rule::Pass(high));
     }
 
+    fn rw1c16(&mut self, at: usize, mask: u16) {
+        let [low, high] = mask.to_le_bytes();
+        self.set(at..at + 1, Rule::Rw1c(low));
+        self.set(at + 1..at + 2, Rule::Rw1c(high));
+    }
+
     /// Filters a guest write of `data` at register `reg` of device `name`: returns the
     /// runs that reach the device, and counts and logs what it drops.
     pub(super) fn filter(&mut self, name: &str, reg: usize, data: &[u8]) -> Vec<Run> {
@@ -218,6 +230,7 @@ impl Firewall {
                 (Rule::Virtual, _) => (None, None),
                 (_, ConfigWrites::Permissive) => (Some(0xff), None),
                 (Rule::Pass(mask), _) => (Some(mask), (value & !mask != 0).then_some(Why::Bits)),
+                (Rule::Rw1c(mask), _) => (Some(mask), None),
                 (Rule::Drop(why), _) => (None, Some(why)),
             };
             if let Some(why) = why {
@@ -347,6 +360,19 @@ mod tests {
         assert_eq!(f.dropped(), 0);
         // A write to the status' read-only byte alone writes nothing and drops nothing.
         assert_eq!(write(&mut f, PCI_STATUS, &[0]), []);
+        assert_eq!(f.dropped(), 0);
+        // Linux restoring the dword after a reset writes the status' read-only bits back as
+        // it saved them (the capability list bit): nothing of it is a drop.
+        let restore = u32::from(PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER) | u32::from(PCI_STATUS_CAP_LIST) << 16;
+        assert_eq!(
+            write(&mut f, PCI_COMMAND, &restore.to_le_bytes()),
+            [(PCI_COMMAND, vec![6, 0, 0, 0], vec![c0, c1, 0xff, 0x06])]
+        );
+        assert_eq!(f.dropped(), 0);
+        // Nor are Device Status' read-only bits (Transactions Pending) written with a dword
+        // of Device Control.
+        let pending = u32::from(PCI_EXP_DEVCTL_RELAX_EN) | 0x0020 << 16;
+        assert_eq!(write(&mut f, EXP + PCI_EXP_DEVCTL, &pending.to_le_bytes()).len(), 1);
         assert_eq!(f.dropped(), 0);
     }
 
