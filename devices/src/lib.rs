@@ -44,9 +44,10 @@ pub use exit::{GuestExit, GuestExitSignal};
 pub use i8042::I8042;
 pub use pci::regs as pci_regs;
 pub use pci::{
-    merge_ranges, BarChange, BarInfo, BarMapping, ConfigOwnership, ConfigSpace, ConfigWriteEffects, DeviceError, Fire,
-    IoEvent, MsiCapability, MsiEvent, MsiInfo, MsiMessage, MsixControl, MsixEvent, MsixLayout, MsixTable, Owner,
-    PciDevice, ACS_CAPABILITIES, CONFIG_SPACE_SIZE, MSIX_MAX_VECTORS, MSI_MAX_VECTORS,
+    flr_control, initiates_flr, merge_ranges, BarChange, BarInfo, BarMapping, ConfigOwnership, ConfigSpace,
+    ConfigWriteEffects, DeviceError, Fire, IoEvent, MsiCapability, MsiEvent, MsiInfo, MsiMessage, MsixControl,
+    MsixEvent, MsixLayout, MsixTable, Owner, PciDevice, ACS_CAPABILITIES, CONFIG_SPACE_SIZE, MSIX_MAX_VECTORS,
+    MSI_MAX_VECTORS,
 };
 pub use serial::{Serial, SerialInput, COM1_IRQ, COM1_LEN, COM1_PORT};
 pub use sleep::{

@@ -128,6 +128,13 @@ impl ConfigSpace {
         }
     }
 
+    /// Sets every byte to `bytes` (the space as [`ConfigSpace::bytes`] had it earlier),
+    /// whatever the mask: a reset to that moment. Bytes past `bytes`' end stay.
+    pub fn restore(&mut self, bytes: &[u8]) {
+        let n = bytes.len().min(CONFIG_SPACE_SIZE);
+        self.bytes[..n].copy_from_slice(&bytes[..n]);
+    }
+
     /// Writes `data` at `offset`, keeping the bits the mask protects.
     pub fn write(&mut self, offset: usize, data: &[u8]) {
         let end = offset.saturating_add(data.len());

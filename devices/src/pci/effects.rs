@@ -31,6 +31,9 @@ pub struct ConfigWriteEffects {
     pub msix: Option<MsixControl>,
     /// What the write to the (VMM-emulated) MSI capability asked for.
     pub msi: Vec<crate::pci::MsiEvent>,
+    /// The write initiated a Function Level Reset: every register may have changed, and
+    /// the function's MSI-X table is back to power-on (every vector masked).
+    pub reset: bool,
 }
 
 /// A BAR's live address before and after a write; `None` when it decodes nothing.
@@ -85,6 +88,7 @@ impl ConfigWriteEffects {
             bus_master: changed(PCI_COMMAND_MASTER),
             msix,
             msi: Vec::new(),
+            reset: false,
         }
     }
 

@@ -6,6 +6,7 @@
 mod config_space;
 mod device;
 mod effects;
+mod flr;
 mod msi;
 mod msix;
 mod ownership;
@@ -14,6 +15,7 @@ pub mod regs;
 pub use config_space::{ConfigSpace, ACS_CAPABILITIES, CONFIG_SPACE_SIZE};
 pub use device::{merge_ranges, BarInfo, BarMapping, DeviceError, IoEvent, MsiInfo, MsixLayout, PciDevice};
 pub use effects::{BarChange, ConfigWriteEffects, MsixControl};
+pub use flr::{flr_control, initiates_flr};
 pub use msi::{MsiCapability, MsiEvent, MSI_MAX_VECTORS};
 pub use msix::{Fire, MsiMessage, MsixEvent, MsixTable, MSIX_MAX_VECTORS};
 pub use ownership::{ConfigOwnership, Owner};

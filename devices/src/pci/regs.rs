@@ -109,6 +109,8 @@ pub const PCI_EXP_DEVCTL_PAYLOAD: u16 = 0x00e0;
 /// Phantom Functions Enable.
 pub const PCI_EXP_DEVCTL_PHANTOM: u16 = 0x0200;
 pub const PCI_EXP_DEVCTL_NOSNOOP_EN: u16 = 0x0800;
+/// Initiate Function Level Reset (writes as 1 start it; reads as 0).
+pub const PCI_EXP_DEVCTL_BCR_FLR: u16 = 0x8000;
 pub const PCI_EXP_DEVCTL_READRQ_512B: u16 = 0x2000;
 pub const PCI_EXP_LNKCAP_SLS: u32 = 0x0000_000f;
 pub const PCI_EXP_LNKCAP_MLW: u32 = 0x0000_03f0;

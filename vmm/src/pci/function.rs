@@ -8,8 +8,10 @@
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
-use gdrvm_devices::pci_regs::{PCI_COMMAND, PCI_COMMAND_IO, PCI_COMMAND_MEMORY};
-use gdrvm_devices::{lock, BarInfo, ConfigOwnership, ConfigWriteEffects, MsiCapability, Owner, PciDevice};
+use gdrvm_devices::pci_regs::{PCI_COMMAND, PCI_COMMAND_IO, PCI_COMMAND_MEMORY, PCI_MSI_FLAGS};
+use gdrvm_devices::{
+    flr_control, initiates_flr, lock, BarInfo, ConfigOwnership, ConfigWriteEffects, MsiCapability, Owner, PciDevice,
+};
 
 use super::{ConfigSpace, CONFIG_SPACE_SIZE};
 
@@ -38,17 +40,39 @@ pub struct Backend {
 pub struct PciFunction {
     config: ConfigSpace,
     backend: Option<Backend>,
+    /// What a Function Level Reset brings the function back to, when it offers FLR.
+    power_on: Option<PowerOn>,
+}
+
+/// A function's state at power-on, for Function Level Reset.
+struct PowerOn {
+    /// Where the function's Device Control register is.
+    devctl: usize,
+    /// The VMM's configuration bytes.
+    config: Box<[u8]>,
+    /// The MSI capability the VMM emulates, if it does.
+    msi: Option<MsiCapability>,
 }
 
 impl PciFunction {
     /// A function answered by the VMM alone (bridges, and endpoints with nothing behind them).
     pub fn hollow(config: ConfigSpace) -> Self {
-        PciFunction { config, backend: None }
+        PciFunction { config, backend: None, power_on: None }.with_power_on()
     }
 
     /// A function with `backend` behind it; `config` is the VMM's part.
     pub fn backed(config: ConfigSpace, backend: Backend) -> Self {
-        PciFunction { config, backend: Some(backend) }
+        PciFunction { config, backend: Some(backend), power_on: None }.with_power_on()
+    }
+
+    /// Keeps the state a Function Level Reset returns to, if the function (as the guest
+    /// reads it: a backed one's capabilities are the device's) offers FLR.
+    fn with_power_on(mut self) -> Self {
+        if let Some(devctl) = flr_control(&mut |reg, data| self.read(reg, data)) {
+            let msi = self.backend.as_ref().and_then(|b| b.msi.as_ref()).map(|(_, msi)| msi.clone());
+            self.power_on = Some(PowerOn { devctl, config: self.config.bytes().into(), msi });
+        }
+        self
     }
 
     /// Reads `data.len()` bytes at `reg`: each byte from its owner.
@@ -71,6 +95,9 @@ impl PciFunction {
 
     /// Writes `data` at `reg` and returns what the write changed for the machine.
     pub fn write(&mut self, reg: usize, data: &[u8]) -> ConfigWriteEffects {
+        if self.power_on.as_ref().is_some_and(|p| initiates_flr(p.devctl, reg, data)) {
+            return self.function_level_reset();
+        }
         let Some(backend) = &mut self.backend else {
             self.config.write(reg, data);
             return ConfigWriteEffects::default();
@@ -105,6 +132,33 @@ impl PciFunction {
         }
         let mut effects = ConfigWriteEffects::between(&before, self.config.bytes(), &backend.bars, backend.msix_cap);
         effects.msi = msi_events;
+        effects
+    }
+
+    /// Carries out a Function Level Reset the guest initiated (the rest of its write is
+    /// dropped: everything it wrote is reset): the VMM's registers and MSI capability back
+    /// to power-on, the device reset through its backend (a vfio-user reset, a VFIO one),
+    /// as QEMU's PCIe core resets a device model on FLR. Returns what changed: decode, bus
+    /// mastering and MSI or MSI-X off where they were on, and `reset`.
+    fn function_level_reset(&mut self) -> ConfigWriteEffects {
+        let Some(power_on) = &self.power_on else { return ConfigWriteEffects::default() };
+        tracing::debug!("function level reset");
+        let before = self.config.bytes().to_vec();
+        self.config.restore(&power_on.config);
+        let Some(backend) = &mut self.backend else {
+            return ConfigWriteEffects { reset: true, ..ConfigWriteEffects::default() };
+        };
+        let mut msi_events = Vec::new();
+        if let (Some((_, msi)), Some(fresh)) = (&mut backend.msi, &power_on.msi) {
+            msi_events = msi.write(PCI_MSI_FLAGS, &[0, 0]);
+            *msi = fresh.clone();
+        }
+        if let Err(e) = lock(&backend.device).reset() {
+            tracing::warn!("function level reset: the device did not reset: {e}");
+        }
+        let mut effects = ConfigWriteEffects::between(&before, self.config.bytes(), &backend.bars, backend.msix_cap);
+        effects.msi = msi_events;
+        effects.reset = true;
         effects
     }
 

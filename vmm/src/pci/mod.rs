@@ -133,7 +133,7 @@ impl PciSegment {
             // only through writes and resets. Refreshing just those dwords keeps a write
             // to a bridge at a few dozen bytes copied, not three times 4 KiB.
             if self.images.is_imaged(i) {
-                let (range, last) = if f.write_reaches_device(offset, data.len()) {
+                let (range, last) = if effects.reset || f.write_reaches_device(offset, data.len()) {
                     (0..CONFIG_SPACE_SIZE, None)
                 } else {
                     let range = offset & !3..(offset + data.len()).next_multiple_of(4).min(CONFIG_SPACE_SIZE);

@@ -741,6 +741,9 @@ impl ApplyEffects for DeviceWiring {
         if let (Some(control), Some(m)) = (effects.msix, &w.msix) {
             m.control(control);
         }
+        if let (true, Some(m)) = (effects.reset, &w.msix) {
+            m.reset();
+        }
         if let (false, Some(m)) = (effects.msi.is_empty(), &w.msi) {
             m.apply(&effects.msi);
         }

@@ -80,6 +80,15 @@ impl MsixState {
         }
     }
 
+    /// Back to power-on after a Function Level Reset: every entry zeroed and masked, no
+    /// bit pending, every vector's route held. (The guest's control word went to zero with
+    /// the reset, and [`MsixState::control`] has disconnected the device.)
+    pub fn reset(&self) {
+        let vectors = self.layout.vectors;
+        *lock(&self.table) = MsixTable::new(vectors);
+        self.apply((0..vectors).map(MsixEvent::Mask).collect());
+    }
+
     fn apply(&self, events: Vec<MsixEvent>) {
         if events.is_empty() {
             return;

@@ -38,6 +38,10 @@ struct Seen {
     ioevents: Vec<(u64, bool)>,
     /// Refuse read-only slots, as a KVM out of slots would.
     refuse_readonly: bool,
+    /// GSIs with a plain irqfd (an MSI or MSI-X vector's) registered now.
+    irqfds: Vec<u32>,
+    /// Device resets asked for.
+    resets: usize,
 }
 
 type Shared = Arc<Mutex<Seen>>;
@@ -68,14 +72,16 @@ impl RoutingSink for FakeKvm {
         lock(&self.0).routes.push(entries.to_vec());
         Ok(())
     }
-    fn register_irqfd(&self, _: &EventFd, _: u32) -> Result<(), IrqError> {
+    fn register_irqfd(&self, _: &EventFd, gsi: u32) -> Result<(), IrqError> {
+        lock(&self.0).irqfds.push(gsi);
         Ok(())
     }
     fn register_irqfd_with_resample(&self, _: &EventFd, _: &EventFd, gsi: u32) -> Result<(), IrqError> {
         lock(&self.0).intx_gsis.push(gsi);
         Ok(())
     }
-    fn unregister_irqfd(&self, _: &EventFd, _: u32) -> Result<(), IrqError> {
+    fn unregister_irqfd(&self, _: &EventFd, gsi: u32) -> Result<(), IrqError> {
+        lock(&self.0).irqfds.retain(|g| *g != gsi);
         Ok(())
     }
 }
@@ -94,7 +100,8 @@ impl DmaTarget for FakeDma {
 }
 
 /// minimal's NIC VF with: BAR0 2 MiB of device memory (a memfd), MSI-X (4 vectors) in
-/// its first page.
+/// its first page, and a PCI Express capability that offers FLR; its other configuration
+/// bytes read as zero.
 struct FakeNic {
     seen: Shared,
     memory: Arc<std::fs::File>,
@@ -103,11 +110,29 @@ struct FakeNic {
 const MSIX: MsixLayout = MsixLayout { cap: 0x70, vectors: 4, table: (0, 0), pba: (0, 0x800) };
 /// Where the fake's MSI capability is (the VMM emulates it there).
 const MSI_CAP: usize = 0x50;
+/// Where the fake's PCI Express capability is (the only one its list holds).
+const EXP_CAP: usize = 0x60;
+
+/// The fake's configuration byte at `reg`.
+fn fake_config(reg: usize) -> u8 {
+    let devcap = PCI_EXP_DEVCAP_FLR.to_le_bytes();
+    match reg {
+        PCI_STATUS => PCI_STATUS_CAP_LIST as u8,
+        PCI_CAPABILITY_LIST => EXP_CAP as u8,
+        r if r == EXP_CAP => PCI_CAP_ID_EXP,
+        r if (EXP_CAP + PCI_EXP_DEVCAP..EXP_CAP + PCI_EXP_DEVCAP + 4).contains(&r) => {
+            devcap[r - EXP_CAP - PCI_EXP_DEVCAP]
+        }
+        _ => 0,
+    }
+}
 
 impl PciDevice for FakeNic {
-    fn config_read(&mut self, _reg: usize, data: &mut [u8]) {
+    fn config_read(&mut self, reg: usize, data: &mut [u8]) {
         lock(&self.seen).config_reads += 1;
-        data.fill(0);
+        for (k, b) in data.iter_mut().enumerate() {
+            *b = fake_config(reg + k);
+        }
     }
     fn config_write(&mut self, reg: usize, data: &[u8]) {
         lock(&self.seen).config_writes.push((reg, data.to_vec()));
@@ -140,6 +165,10 @@ impl PciDevice for FakeNic {
     }
     fn connect_intx(&mut self, lines: Option<(&EventFd, &EventFd)>) -> Result<(), DeviceError> {
         lock(&self.seen).intx.push(lines.is_some());
+        Ok(())
+    }
+    fn reset(&mut self) -> Result<(), DeviceError> {
+        lock(&self.seen).resets += 1;
         Ok(())
     }
 }
@@ -689,4 +718,67 @@ fn test_an_emulator_is_told_the_command_register_only_when_more_than_decode_chan
     m.config_write(PCI_COMMAND, &0u16.to_le_bytes());
     m.config_write(PCI_COMMAND, &PCI_COMMAND_MEMORY.to_le_bytes());
     assert_eq!(told(&m)[at_start..], [0, PCI_COMMAND_MEMORY]);
+}
+
+#[test]
+fn test_flr_resets_the_device_and_turns_off_what_the_guest_turned_on() {
+    let m = machine();
+    let bdf = m.node.functions[m.nic].bdf;
+    let read16 = |reg: usize| {
+        let mut b = [0u8; 2];
+        m.pci.read(bdf.bus, bdf.device << 3 | bdf.function, reg, &mut b);
+        u16::from_le_bytes(b)
+    };
+    let bar0 = m.bar0();
+    // The guest drives the function: bus mastering, MSI-X with vector 1 routed and unmasked.
+    m.config_write(PCI_COMMAND, &(PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER).to_le_bytes());
+    let flags = MSIX.cap + PCI_MSIX_FLAGS;
+    m.config_write(flags, &PCI_MSIX_FLAGS_ENABLE.to_le_bytes());
+    let entry = bar0 + 16;
+    m.mmio.write(entry, &0xfee0_1000u32.to_le_bytes());
+    m.mmio.write(entry + 8, &0x4041u32.to_le_bytes());
+    m.mmio.write(entry + 12, &0u32.to_le_bytes());
+    assert_eq!(lock(&m.seen).irqfds.len(), 1, "vector 1 delivers");
+    let resets = lock(&m.seen).resets;
+
+    // pcie_flr: Device Control read, Initiate FLR set, written back.
+    let devctl = EXP_CAP + PCI_EXP_DEVCTL;
+    m.config_write(devctl, &(read16(devctl) | PCI_EXP_DEVCTL_BCR_FLR).to_le_bytes());
+
+    let seen = lock(&m.seen);
+    assert_eq!(seen.resets, resets + 1, "the device was reset");
+    assert!(!seen.config_writes.iter().any(|(reg, _)| *reg == devctl), "the FLR write itself is not passed on");
+    assert_eq!(seen.connected, [Some(4), None], "MSI-X disconnected");
+    assert!(seen.irqfds.is_empty(), "no vector delivers");
+    drop(seen);
+    assert_eq!(read16(PCI_COMMAND), 0, "decode and bus mastering off");
+    // The BARs keep their addresses (the power-on state is firmware's), so the guest's
+    // restore finds the table where it was: zeroed and every vector masked.
+    m.config_write(PCI_COMMAND, &PCI_COMMAND_MEMORY.to_le_bytes());
+    let mut b = [0u8; 4];
+    for (at, want) in [(entry, 0), (entry + 8, 0), (entry + 12, PCI_MSIX_ENTRY_CTRL_MASKBIT)] {
+        m.mmio.read(at, &mut b);
+        assert_eq!(u32::from_le_bytes(b), want, "table entry 1 at {:#x}", at - bar0);
+    }
+}
+
+#[test]
+fn test_flr_of_an_endpoint_with_nothing_behind_it_resets_its_registers_and_image() {
+    let m = machine();
+    let gpu = m.node.functions.iter().position(|f| f.name == "gpu0").unwrap();
+    let bdf = m.node.functions[gpu].bdf;
+    let devfn = bdf.device << 3 | bdf.function;
+    let read16 = |reg: usize| {
+        let mut b = [0u8; 2];
+        m.pci.read(bdf.bus, devfn, reg, &mut b);
+        u16::from_le_bytes(b)
+    };
+    let devctl = gdrvm_devices::flr_control(&mut |reg, data| m.pci.read(bdf.bus, devfn, reg, data)).unwrap();
+    let power_on = m.pci.images().contents(gpu, 0..CONFIG_SPACE_SIZE).unwrap();
+    m.config_write_to(gpu, PCI_COMMAND, &(PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER).to_le_bytes());
+    m.config_write_to(gpu, devctl, &(read16(devctl) & !PCI_EXP_DEVCTL_READRQ_512B).to_le_bytes());
+    assert_ne!(m.pci.images().contents(gpu, 0..CONFIG_SPACE_SIZE).unwrap(), power_on);
+    m.config_write_to(gpu, devctl, &PCI_EXP_DEVCTL_BCR_FLR.to_le_bytes());
+    assert_eq!(m.pci.images().contents(gpu, 0..CONFIG_SPACE_SIZE).unwrap(), power_on, "the image is power-on's");
+    assert_eq!((read16(PCI_COMMAND), read16(devctl) & PCI_EXP_DEVCTL_BCR_FLR), (0, 0));
 }
