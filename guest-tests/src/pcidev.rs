@@ -97,6 +97,19 @@ pub fn resource(dir: &Path, index: usize) -> Result<Resource, String> {
     parse_resource_line(line).ok_or_else(|| format!("{} line {index} unparsable: '{line}'", path.display()))
 }
 
+/// The reset methods Linux offers for the function in `dir`, best first (sysfs
+/// `reset_method`, Linux 5.15 on); `None` when the file is not there.
+pub fn reset_methods(dir: &Path) -> Option<String> {
+    std::fs::read_to_string(dir.join("reset_method")).ok().map(|m| m.trim().to_owned())
+}
+
+/// Resets the function in `dir` as Linux does for sysfs `reset`: its configuration saved,
+/// the reset its first method makes, the configuration restored.
+pub fn reset(dir: &Path) -> Result<(), String> {
+    let path = dir.join("reset");
+    std::fs::write(&path, "1").map_err(|e| format!("writing 1 to {}: {e}", path.display()))
+}
+
 /// The driver bound to the function in `dir` (the `driver` link's last component).
 pub fn driver(dir: &Path) -> Option<String> {
     let link = std::fs::read_link(dir.join("driver")).ok()?;
@@ -176,6 +189,11 @@ pub struct Claim {
 }
 
 impl Claim {
+    /// The function's sysfs directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     /// Enables the function (sysfs `enable`) and sets `bits` in its Command register;
     /// a diagnostic line with what it found and left.
     pub fn take(dir: &Path, bits: u16) -> Result<(Claim, String), String> {

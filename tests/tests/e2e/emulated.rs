@@ -15,7 +15,14 @@ fn test_emulated_gpu_and_nic_carry_gpudirect_dma_on_minimal() {
     assert_eq!(r.outcome, VmOutcome::Exited(0), "{dump}");
     assert!(r.ktap.all_ok(), "{dump}");
     let gdr = suite(&r, "gdr");
-    for name in ["gpu0_registers", "nic0_registers", "nic0_ring", "nic0_host_to_gpu0", "nic0_gpu0_to_host"] {
+    for name in [
+        "gpu0_registers",
+        "nic0_registers",
+        "nic0_ring",
+        "nic0_host_to_gpu0",
+        "nic0_gpu0_to_host",
+        "nic0_function_level_reset",
+    ] {
         let (outcome, text) = check(&gdr, name);
         assert_eq!(outcome, CaseOutcome::Pass, "{name}: {text}\n{dump}");
     }

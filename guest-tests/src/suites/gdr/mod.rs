@@ -5,7 +5,8 @@
 //! -> RAM, aperture -> another GPU's aperture and RAM -> RAM at sizes from 4 KiB to 64 MiB,
 //! checked through the BAR mappings, with the bandwidth of each; where the NIC or GPU does
 //! not take part in peer-to-peer DMA, copies touching a BAR must be refused instead. Then
-//! every GPU x NIC pair copies 16 MiB next to NCCL's path and GDR decision for it. The
+//! every GPU x NIC pair copies 16 MiB next to NCCL's path and GDR decision for it, and the
+//! first NIC goes through a Function Level Reset as Linux makes one ([`reset`]). The
 //! guest has no IOMMU: IOVAs are guest-physical addresses, a BAR's is its sysfs `resource`
 //! start. Devices are left as found: ring size 0, `enable` and Command as they were.
 
@@ -15,6 +16,7 @@ mod devices;
 mod fake;
 mod plan;
 mod regs;
+mod reset;
 mod ring;
 mod transfer;
 
@@ -81,6 +83,9 @@ pub fn run(ctx: &Context) -> Vec<Check> {
         }
     }
     checks.push(matrix_check(&found, &gpus, &nics, matrix));
+    if let Some(nic) = nics.first_mut() {
+        checks.push(reset_check(nic, seeds.next() as u32));
+    }
     checks.push(leave_as_found(gpus, nics, host));
     checks
 }
@@ -373,6 +378,14 @@ fn matrix_check(found: &plan::Emulated, gpus: &[Gpu], nics: &[Nic], matrix: Matr
         problems.extend(problem);
     }
     check(NAME, notes, &problems)
+}
+
+/// `<nic>_function_level_reset`: the NIC reset through sysfs (see [`reset`]).
+fn reset_check(nic: &mut Nic, probe: u32) -> Check {
+    let dir = nic.claim.dir().to_owned();
+    let ids = (nic.exp.vendor, nic.exp.device);
+    let f = reset::function_level_reset(&dir, &mut nic.regs, ids, probe, |_| crate::pcidev::reset(&dir));
+    check(&format!("{}_function_level_reset", nic.exp.name), f.notes, &f.problems)
 }
 
 /// Stops every ring, puts `enable` and Command back, and checks the host buffer stayed put.
