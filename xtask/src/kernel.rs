@@ -72,6 +72,9 @@ pub fn guest_image(opts: &KernelOpts, extras: &[gdrvm_images::ExtraFile]) -> Res
     let recipe = Recipe::load(&gdrvm_images::recipes_dir().join("default.toml"))?;
     let (kernel, release, label) = kernel_source(opts, &recipe)?;
     let cache_root = gdrvm_dir().join("cache");
+    // One custom image build at a time over the whole cache: a matrix's lanes (threads)
+    // and other xtask processes share module build directories and image names.
+    let _lock = BuildLock::take(&cache_root)?;
     sweep_vanished_module_sources(&cache_root);
     let cache = Cache::new(&cache_root);
     let progress = |line: &str| println!("xtask: image: {line}");
@@ -93,57 +96,127 @@ pub fn guest_image(opts: &KernelOpts, extras: &[gdrvm_images::ExtraFile]) -> Res
     Ok(BootImage { kernel: built.vmlinux, initrd: built.initramfs })
 }
 
+/// An exclusive `flock` on the cache's `.build.lock`, held while a custom image is
+/// built; released when dropped (the file closes). Written by hand: std's `File::lock` is
+/// newer than this workspace's minimum Rust.
+struct BuildLock {
+    /// Holds the lock while open.
+    _file: std::fs::File,
+}
+
+impl BuildLock {
+    fn take(cache_root: &Path) -> Result<BuildLock> {
+        use std::os::fd::AsRawFd;
+        std::fs::create_dir_all(cache_root).with_context(|| format!("creating {}", cache_root.display()))?;
+        let path = cache_root.join(".build.lock");
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .with_context(|| format!("opening {}", path.display()))?;
+        let fd = file.as_raw_fd();
+        // SAFETY: flock takes an open descriptor (`file` outlives the calls) and an
+        // operation flag; it touches no memory of ours.
+        if unsafe { libc::flock(fd, libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            println!("xtask: image: waiting for another image build ({})", path.display());
+            // SAFETY: as above.
+            while unsafe { libc::flock(fd, libc::LOCK_EX) } != 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    return Err(e).with_context(|| format!("locking {}", path.display()));
+                }
+            }
+        }
+        Ok(BuildLock { _file: file })
+    }
+}
+
 /// Notes in the cache which directory module source `src` is (`module-src/<label>.source`,
-/// written before anything is built under the label) and returns its label.
+/// written whole by a rename, and before anything is built under the label) and returns
+/// its label.
 fn record_module_source(cache_root: &Path, src: &Path) -> Result<String> {
     let abs = std::fs::canonicalize(src).with_context(|| format!("--module-src {}", src.display()))?;
     let label = dir_label(&abs);
     let builds = cache_root.join("module-src");
     std::fs::create_dir_all(&builds).with_context(|| format!("creating {}", builds.display()))?;
     let record = builds.join(format!("{label}.source"));
-    std::fs::write(&record, abs.to_string_lossy().as_bytes())
-        .with_context(|| format!("writing {}", record.display()))?;
+    let text = abs.to_string_lossy();
+    if std::fs::read_to_string(&record).is_ok_and(|r| r == text) {
+        return Ok(label);
+    }
+    // Whole or not at all: a sweep that reads it half-written would take the source for gone.
+    let mut tmp =
+        tempfile::NamedTempFile::new_in(&builds).with_context(|| format!("creating a file in {}", builds.display()))?;
+    std::io::Write::write_all(&mut tmp, text.as_bytes()).with_context(|| format!("writing {}", record.display()))?;
+    tmp.persist(&record).with_context(|| format!("writing {}", record.display()))?;
     Ok(label)
+}
+
+/// Whether module source `label`'s directory still exists, as its record says now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Source {
+    /// It does.
+    Live,
+    /// It does not, or nothing records it (a build from before records were kept).
+    Gone,
+    /// The record cannot be read: its entries are left alone.
+    Unknown,
+}
+
+fn source_of(builds: &Path, label: &str) -> Source {
+    match std::fs::read_to_string(builds.join(format!("{label}.source"))) {
+        Ok(path) if path.is_empty() => Source::Unknown,
+        Ok(path) if Path::new(&path).is_dir() => Source::Live,
+        Ok(_) => Source::Gone,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Source::Gone,
+        Err(_) => Source::Unknown,
+    }
 }
 
 /// Removes the module builds (`module-src/<label>@<kernel>`) and guest images
 /// (`images/default@<kernel>+<label>`) of module sources whose directory is gone, such as
 /// a test's or a bisection's temporary checkout: each would otherwise keep a 25 MB image
 /// in the cache for good. A build without a record (from before records were kept) counts
-/// as gone; a cache entry costs only its rebuild. Failures are logged and skipped.
+/// as gone; a cache entry costs only its rebuild. Each label is judged by its record as
+/// it reads at that moment (a label's record is written before its builds and images, so
+/// a lane building it meanwhile keeps it), and its record goes last. Failures are logged
+/// and skipped.
 fn sweep_vanished_module_sources(cache_root: &Path) {
     let builds = cache_root.join("module-src");
     let Ok(entries) = std::fs::read_dir(&builds) else { return };
-    let mut live = std::collections::HashSet::new();
-    let mut known = std::collections::HashSet::new();
-    let mut build_dirs = Vec::new();
+    let mut labels = std::collections::BTreeSet::new();
     for entry in entries.filter_map(Result::ok) {
         let name = entry.file_name().to_string_lossy().into_owned();
-        if let Some(label) = name.strip_suffix(".source") {
-            let source = std::fs::read_to_string(entry.path()).unwrap_or_default();
-            if !source.is_empty() && Path::new(&source).is_dir() {
-                live.insert(label.to_owned());
-            } else {
-                remove_cache_entry(&entry.path());
-            }
-            known.insert(label.to_owned());
-        } else if let Some((label, _kernel)) = name.split_once('@') {
-            known.insert(label.to_owned());
-            build_dirs.push((label.to_owned(), entry.path()));
+        if let Some(label) = name.strip_suffix(".source").or_else(|| name.split_once('@').map(|(label, _)| label)) {
+            labels.insert(label.to_owned());
         }
     }
-    for (label, dir) in build_dirs {
-        if !live.contains(&label) {
-            remove_cache_entry(&dir);
-        }
+    let gone: Vec<String> = labels.into_iter().filter(|l| source_of(&builds, l) == Source::Gone).collect();
+    if gone.is_empty() {
+        return;
     }
-    let Ok(images) = std::fs::read_dir(cache_root.join("images")) else { return };
-    for entry in images.filter_map(Result::ok) {
-        let name = entry.file_name().to_string_lossy().into_owned();
+    let images: Vec<PathBuf> = std::fs::read_dir(cache_root.join("images"))
+        .map(|d| d.filter_map(Result::ok).map(|e| e.path()).collect())
+        .unwrap_or_default();
+    for label in gone {
         // A label has no '+' (see `dir_label`); a kernel's name may (6.12.117+deb12).
-        let label = name.rsplit_once('+').map(|(_, label)| label);
-        if label.is_some_and(|l| known.contains(l) && !live.contains(l)) {
-            remove_cache_entry(&entry.path());
+        let of_label = |p: &&PathBuf| {
+            p.file_name().and_then(|n| n.to_str()).and_then(|n| n.rsplit_once('+')).is_some_and(|(_, l)| l == label)
+        };
+        for image in images.iter().filter(of_label) {
+            remove_cache_entry(image);
+        }
+        let prefix = format!("{label}@");
+        let dirs = std::fs::read_dir(&builds).map(|d| d.filter_map(Result::ok).map(|e| e.path()).collect::<Vec<_>>());
+        for dir in dirs.unwrap_or_default() {
+            if dir.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(&prefix)) {
+                remove_cache_entry(&dir);
+            }
+        }
+        let record = builds.join(format!("{label}.source"));
+        if record.exists() {
+            remove_cache_entry(&record);
         }
     }
 }
@@ -204,8 +277,8 @@ fn find_build_link(modules: &Path) -> Option<PathBuf> {
 }
 
 /// Builds the Kbuild module in `src` against `headers` in a copy of the source (the user's
-/// tree is left as it was) named `work` (one per source and kernel, so a matrix's lanes do
-/// not share one), returns the .ko files. A module that does not build is an error
+/// tree is left as it was) named `work` (one per source and kernel: lanes that share one
+/// build it in turn, under the [`BuildLock`]), returns the .ko files. A module that does not build is an error
 /// carrying the compiler's words.
 fn build_module(src: &Path, headers: &Path, cache_root: &Path, work: &str) -> Result<Vec<PathBuf>> {
     if !src.join("Kbuild").is_file() && !src.join("Makefile").is_file() {
@@ -296,15 +369,39 @@ mod tests {
             std::fs::write(d.join("initramfs.cpio"), b"x").unwrap();
         }
 
+        // A record that reads empty (written by something else than a rename) is not
+        // taken for a vanished source.
+        let unknown = "drv-99887766";
+        std::fs::write(builds.join(format!("{unknown}.source")), "").unwrap();
+        std::fs::create_dir_all(builds.join(format!("{unknown}@6.1.0-57-amd64"))).unwrap();
+
         sweep_vanished_module_sources(root);
 
         let exists: Vec<bool> = dirs.iter().map(|d| d.exists()).collect();
         assert_eq!(exists, [true, true, true, false, false, true, false, false]);
+        assert!(builds.join(format!("{unknown}@6.1.0-57-amd64")).is_dir());
         assert!(builds.join(format!("{kept}.source")).is_file());
         assert!(!builds.join(format!("{gone}.source")).exists());
         // A second sweep finds nothing more to remove.
         sweep_vanished_module_sources(root);
         assert_eq!(dirs.iter().map(|d| d.exists()).collect::<Vec<_>>(), exists);
+    }
+
+    #[test]
+    fn test_image_builds_take_the_cache_in_turn() {
+        let cache = tempfile::tempdir().unwrap();
+        let first = BuildLock::take(cache.path()).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let root = cache.path().to_owned();
+        let second = std::thread::spawn(move || {
+            let lock = BuildLock::take(&root).unwrap();
+            tx.send(()).unwrap();
+            drop(lock);
+        });
+        assert!(rx.recv_timeout(std::time::Duration::from_millis(300)).is_err(), "both held the lock");
+        drop(first);
+        rx.recv().unwrap();
+        second.join().unwrap();
     }
 
     #[test]
