@@ -229,9 +229,9 @@ impl MsiCapability {
                 events.push(MsiEvent::Mask(v));
                 continue;
             }
-            if !fresh {
-                events.push(MsiEvent::Unmask(v));
-            }
+            // On a fresh enable too: the VMM's vector holds delivery until told otherwise,
+            // and a capability without per-vector masking never tells it later.
+            events.push(MsiEvent::Unmask(v));
             if self.take_pending(v) {
                 events.push(MsiEvent::Deliver { vector: v, msg: new.message(v) });
             }
@@ -345,7 +345,10 @@ mod tests {
         assert!(write32(&mut c, PCI_MSI_ADDRESS_LO, ADDRESS as u32).is_empty());
         assert!(write16(&mut c, PCI_MSI_DATA_32, DATA).is_empty());
         let on = write16(&mut c, PCI_MSI_FLAGS, PCI_MSI_FLAGS_ENABLE);
-        assert_eq!(on, vec![MsiEvent::Enable { vectors: 1 }, MsiEvent::Route { vector: 0, msg: msg(0) }]);
+        assert_eq!(
+            on,
+            vec![MsiEvent::Enable { vectors: 1 }, MsiEvent::Route { vector: 0, msg: msg(0) }, MsiEvent::Unmask(0)]
+        );
         // Linux rewrites the message in place when the interrupt moves: each change routes.
         let moved = MsiMessage { address: 0xfee0_2000, data: u32::from(DATA) };
         assert_eq!(write32(&mut c, PCI_MSI_ADDRESS_LO, 0xfee0_2000), vec![MsiEvent::Route { vector: 0, msg: moved }]);
@@ -362,14 +365,16 @@ mod tests {
         let control = flags(&c) | PCI_MSI_FLAGS_ENABLE;
         let on = write16(&mut c, PCI_MSI_FLAGS, control);
         assert_eq!(on[0], MsiEvent::Enable { vectors: 2 });
-        assert_eq!(on.len(), 3);
+        // Enable, then each vector routed and (without per-vector masking) unmasked.
+        assert_eq!(on.len(), 5);
+        assert_eq!(on[3..], [MsiEvent::Unmask(0), MsiEvent::Unmask(1)]);
         assert_eq!(c.fire(1), Fire::Deliver(msg(1)));
         assert_eq!(c.fire(2), Fire::Dropped);
         // Changing the grant while on re-announces every vector.
         let control = (flags(&c) & !PCI_MSI_FLAGS_QSIZE) | 2 << 4;
         let grown = write16(&mut c, PCI_MSI_FLAGS, control);
         assert_eq!(grown[0], MsiEvent::Enable { vectors: 4 });
-        assert_eq!(grown.len(), 5);
+        assert_eq!(grown.len(), 9);
         // Granting more than offered gets what is offered.
         let over = write16(&mut c, PCI_MSI_FLAGS, PCI_MSI_FLAGS_ENABLE | 5 << 4);
         assert_eq!(over[0], MsiEvent::Enable { vectors: 8 });
@@ -415,6 +420,7 @@ mod tests {
             vec![
                 MsiEvent::Enable { vectors: 1 },
                 MsiEvent::Route { vector: 0, msg: zero },
+                MsiEvent::Unmask(0),
                 MsiEvent::Deliver { vector: 0, msg: zero }
             ]
         );

@@ -472,6 +472,8 @@ fn test_msi_is_the_vmms_and_enable_connects_the_vectors_it_grants() {
         table.iter().filter(|e| e.type_ == KVM_IRQ_ROUTING_MSI).map(|e| unsafe { e.u.msi.data }).collect();
     data.sort();
     assert_eq!(data, [0x4052, 0x4053], "vector i sends data + i");
+    // Without per-vector masking both vectors deliver at once: each has its irqfd.
+    assert_eq!(lock(&m.seen).irqfds.len(), 2, "both vectors deliver");
     // The device never saw the capability's registers.
     assert!(!lock(&m.seen).config_writes.iter().any(|(reg, _)| (MSI_CAP..MSI_CAP + 14).contains(reg)));
     m.config_write(MSI_CAP + PCI_MSI_FLAGS, &0u16.to_le_bytes());
