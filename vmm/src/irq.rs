@@ -276,6 +276,12 @@ impl MsiVector {
         self.sync_irqfd()
     }
 
+    /// Forgets the signals pending in the eventfd (a reset of the function that raised them).
+    pub fn drain(&self) {
+        // The eventfd is non-blocking: an empty one answers EAGAIN, which is the goal.
+        let _ = self.event.read();
+    }
+
     /// Stops delivery: signals stay pending in the eventfd.
     pub fn mask(&mut self) -> Result<(), IrqError> {
         self.masked = true;

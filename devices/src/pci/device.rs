@@ -66,9 +66,16 @@ pub trait PciDevice: Send {
     fn dropped_config_writes(&self) -> u64 {
         0
     }
-    /// Resets the device (FLR or its own reset) before the guest starts and after it stops.
+    /// Resets the device (FLR or its own reset) before the guest starts and after it stops,
+    /// and when the guest initiates a Function Level Reset.
     fn reset(&mut self) -> Result<(), DeviceError> {
         Ok(())
+    }
+    /// Whether [`PciDevice::reset`] really resets the device. The VMM carries out a guest's
+    /// Function Level Reset only for such a device; another one gets the guest's write.
+    /// Default: no.
+    fn can_reset(&self) -> bool {
+        false
     }
     /// The device's doorbells: guest writes the VMM should turn into eventfd signals
     /// without an exit (KVM ioeventfds) while the BAR is placed. The fds are clones

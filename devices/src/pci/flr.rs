@@ -29,15 +29,21 @@ pub fn flr_control(read: &mut dyn FnMut(usize, &mut [u8])) -> Option<usize> {
     read(PCI_CAPABILITY_LIST, &mut word[..1]);
     let mut at = usize::from(word[0] & !3);
     for _ in 0..MAX_CAPABILITIES {
-        if at < PCI_STD_HEADER_SIZEOF || at + PCI_EXP_DEVCTL + 2 > PCI_CFG_SPACE_SIZE {
+        if at < PCI_STD_HEADER_SIZEOF || at + 2 > PCI_CFG_SPACE_SIZE {
             return None;
         }
         read(at, &mut word[..2]);
-        if word[0] == PCI_CAP_ID_EXP {
-            read(at + PCI_EXP_DEVCAP, &mut word);
-            return (u32::from_le_bytes(word) & PCI_EXP_DEVCAP_FLR != 0).then_some(at + PCI_EXP_DEVCTL);
+        match word[0] {
+            // Linux's __pci_find_next_cap_ttl: an ID of 0xff ends the list (a function
+            // that reads all-ones).
+            0xff => return None,
+            PCI_CAP_ID_EXP if at + PCI_EXP_DEVCTL + 2 <= PCI_CFG_SPACE_SIZE => {
+                read(at + PCI_EXP_DEVCAP, &mut word);
+                return (u32::from_le_bytes(word) & PCI_EXP_DEVCAP_FLR != 0).then_some(at + PCI_EXP_DEVCTL);
+            }
+            PCI_CAP_ID_EXP => return None,
+            _ => at = usize::from(word[1] & !3),
         }
-        at = usize::from(word[1] & !3);
     }
     None
 }
@@ -78,14 +84,23 @@ mod tests {
     }
 
     #[test]
-    fn test_a_looping_or_wild_capability_list_finds_nothing() {
+    fn test_the_walk_ends_at_loops_and_wild_pointers_and_passes_short_capabilities() {
         let mut bytes = [0u8; 256];
         bytes[PCI_STATUS] = PCI_STATUS_CAP_LIST as u8;
         bytes[PCI_CAPABILITY_LIST] = 0x40;
         bytes[0x41] = 0x40; // A capability (not PCIe) pointing at itself.
         assert_eq!(flr_control(&mut reader(&bytes)), None);
-        bytes[0x41] = 0xfc; // Past the last place a PCIe capability fits.
+        bytes[0x41] = 0xfc; // A PCIe capability where its Device Control does not fit.
+        bytes[0xfc] = PCI_CAP_ID_EXP;
         assert_eq!(flr_control(&mut reader(&bytes)), None);
+        bytes[0xfc] = 0xff; // All-ones: the end.
+        assert_eq!(flr_control(&mut reader(&bytes)), None);
+        // A short capability high up is walked past to the PCIe capability after it.
+        bytes[0xfc] = 0x05;
+        bytes[0xfd] = 0x60;
+        bytes[0x60] = PCI_CAP_ID_EXP;
+        bytes[0x64..0x68].copy_from_slice(&PCI_EXP_DEVCAP_FLR.to_le_bytes());
+        assert_eq!(flr_control(&mut reader(&bytes)), Some(0x60 + PCI_EXP_DEVCTL));
         bytes[PCI_STATUS] = 0; // No list at all.
         assert_eq!(flr_control(&mut reader(&bytes)), None);
     }

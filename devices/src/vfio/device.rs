@@ -314,6 +314,10 @@ impl PciDevice for VfioPciDevice {
         result.map_err(|e| DeviceError::Interrupts { what, source: std::io::Error::other(e) })
     }
 
+    fn can_reset(&self) -> bool {
+        self.backend.can_reset()
+    }
+
     fn reset(&mut self) -> Result<(), DeviceError> {
         if !self.backend.can_reset() {
             tracing::debug!(device = self.name, "VFIO offers no reset for this device");

@@ -541,6 +541,10 @@ impl PciDevice for VirtioNet {
         Ok(())
     }
 
+    fn can_reset(&self) -> bool {
+        true
+    }
+
     fn reset(&mut self) -> Result<(), DeviceError> {
         self.stop_workers();
         self.transport.reset();

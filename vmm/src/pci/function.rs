@@ -3,12 +3,13 @@
 //! bytes between the two. A configuration write updates the VMM's image of every byte (its
 //! write mask keeps what the VMM does not let change), passes the device its own bytes, and
 //! returns what the write meant for the machine; the caller applies that after releasing
-//! the function's lock.
+//! the function's lock. A write that initiates a Function Level Reset is carried out by the
+//! VMM instead (see [`PciFunction::write`]).
 
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
-use gdrvm_devices::pci_regs::{PCI_COMMAND, PCI_COMMAND_IO, PCI_COMMAND_MEMORY, PCI_MSI_FLAGS};
+use gdrvm_devices::pci_regs::{PCI_COMMAND, PCI_COMMAND_IO, PCI_COMMAND_MASTER, PCI_COMMAND_MEMORY, PCI_MSI_FLAGS};
 use gdrvm_devices::{
     flr_control, initiates_flr, lock, BarInfo, ConfigOwnership, ConfigWriteEffects, MsiCapability, Owner, PciDevice,
 };
@@ -52,6 +53,8 @@ struct PowerOn {
     config: Box<[u8]>,
     /// The MSI capability the VMM emulates, if it does.
     msi: Option<MsiCapability>,
+    /// A reset of the device failed already (logged once; a guest may retry for ever).
+    reset_failed: bool,
 }
 
 impl PciFunction {
@@ -66,11 +69,16 @@ impl PciFunction {
     }
 
     /// Keeps the state a Function Level Reset returns to, if the function (as the guest
-    /// reads it: a backed one's capabilities are the device's) offers FLR.
+    /// reads it: a backed one's capabilities are the device's) offers FLR and the device
+    /// behind it, if any, can be reset. A device that cannot (a vfio-user server without
+    /// DEVICE_RESET) gets the guest's FLR write instead, to carry out itself.
     fn with_power_on(mut self) -> Self {
+        if self.backend.as_ref().is_some_and(|b| !lock(&b.device).can_reset()) {
+            return self;
+        }
         if let Some(devctl) = flr_control(&mut |reg, data| self.read(reg, data)) {
             let msi = self.backend.as_ref().and_then(|b| b.msi.as_ref()).map(|(_, msi)| msi.clone());
-            self.power_on = Some(PowerOn { devctl, config: self.config.bytes().into(), msi });
+            self.power_on = Some(PowerOn { devctl, config: self.config.bytes().into(), msi, reset_failed: false });
         }
         self
     }
@@ -138,14 +146,18 @@ impl PciFunction {
     /// Carries out a Function Level Reset the guest initiated (the rest of its write is
     /// dropped: everything it wrote is reset): the VMM's registers and MSI capability back
     /// to power-on, the device reset through its backend (a vfio-user reset, a VFIO one),
-    /// as QEMU's PCIe core resets a device model on FLR. Returns what changed: decode, bus
-    /// mastering and MSI or MSI-X off where they were on, and `reset`.
+    /// as QEMU's PCIe core resets a device model on FLR. Returns `reset`, and for a backed
+    /// function what else changed: decode, bus mastering and MSI or MSI-X off where they
+    /// were on. The device's reset runs under the function's lock: for a passed-through
+    /// device that is VFIO's reset, 100 ms or more, during which the function's other
+    /// accesses wait, as they would on hardware.
     fn function_level_reset(&mut self) -> ConfigWriteEffects {
-        let Some(power_on) = &self.power_on else { return ConfigWriteEffects::default() };
+        let PciFunction { config, backend, power_on } = self;
+        let Some(power_on) = power_on else { return ConfigWriteEffects::default() };
         tracing::debug!("function level reset");
-        let before = self.config.bytes().to_vec();
-        self.config.restore(&power_on.config);
-        let Some(backend) = &mut self.backend else {
+        let before = config.bytes().to_vec();
+        config.restore(&power_on.config);
+        let Some(backend) = backend else {
             return ConfigWriteEffects { reset: true, ..ConfigWriteEffects::default() };
         };
         let mut msi_events = Vec::new();
@@ -153,10 +165,26 @@ impl PciFunction {
             msi_events = msi.write(PCI_MSI_FLAGS, &[0, 0]);
             *msi = fresh.clone();
         }
-        if let Err(e) = lock(&backend.device).reset() {
-            tracing::warn!("function level reset: the device did not reset: {e}");
+        let mut device = lock(&backend.device);
+        // A Command register the device owns (a passed-through device's) loses decode and
+        // bus mastering first: VFIO's reset restores the configuration the device had, and
+        // the guest must find them off after the reset, as QEMU's vfio_pci_pre_reset does.
+        if backend.ownership.owner(PCI_COMMAND) == Owner::Device {
+            let mut command = [0u8; 2];
+            device.config_read(PCI_COMMAND, &mut command);
+            let off = u16::from_le_bytes(command) & !(PCI_COMMAND_IO | PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER);
+            device.config_write(PCI_COMMAND, &off.to_le_bytes());
         }
-        let mut effects = ConfigWriteEffects::between(&before, self.config.bytes(), &backend.bars, backend.msix_cap);
+        match device.reset() {
+            Ok(()) => {}
+            Err(e) if !power_on.reset_failed => {
+                power_on.reset_failed = true;
+                tracing::warn!("function level reset: the device did not reset: {e} (logged once)");
+            }
+            Err(e) => tracing::debug!("function level reset: the device did not reset: {e}"),
+        }
+        drop(device);
+        let mut effects = ConfigWriteEffects::between(&before, config.bytes(), &backend.bars, backend.msix_cap);
         effects.msi = msi_events;
         effects.reset = true;
         effects

@@ -125,7 +125,8 @@ impl PciSegment {
             let mut f = lock(f);
             let effects = f.write(offset, data);
             // Under the lock, so that concurrent writes leave the image as the last one. A
-            // write that reached the device may have changed any of its bytes: they are
+            // write that reset the function (FLR) changed every byte, and a write that
+            // reached the device may have changed any of its bytes: they are
             // read back, after the write has had its reply (an emulator rewrites its shared
             // configuration before replying). A write of the VMM's bytes alone (a hollow
             // function's, BARs, MSI) changed only the dwords it touched, and the device's

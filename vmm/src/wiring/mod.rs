@@ -741,14 +741,19 @@ impl ApplyEffects for DeviceWiring {
         if let (Some(control), Some(m)) = (effects.msix, &w.msix) {
             m.control(control);
         }
-        if let (true, Some(m)) = (effects.reset, &w.msix) {
-            m.reset();
-        }
         if let (false, Some(m)) = (effects.msi.is_empty(), &w.msi) {
             m.apply(&effects.msi);
         }
         if effects.msix.is_some_and(|c| !c.enabled) || msi_off {
             w.connect_intx(true);
+        }
+        if effects.reset {
+            if let Some(m) = &w.msix {
+                m.reset();
+            }
+            if let Some(m) = &w.msi {
+                m.reset();
+            }
         }
     }
 }

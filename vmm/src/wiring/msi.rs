@@ -22,6 +22,18 @@ impl MsiState {
         Ok(MsiState { vectors: Mutex::new(vectors), router, device })
     }
 
+    /// Back to power-on after a Function Level Reset (MSI went off with it, and `apply`
+    /// has disconnected the device): every vector masked, what it held forgotten.
+    pub fn reset(&self) {
+        let mut vectors = lock(&self.vectors);
+        for v in vectors.iter_mut() {
+            if let Err(e) = v.mask() {
+                tracing::warn!("MSI: {e}");
+            }
+            v.drain();
+        }
+    }
+
     /// Carries out what guest writes to the capability asked for.
     pub fn apply(&self, events: &[MsiEvent]) {
         let mut vectors = lock(&self.vectors);

@@ -81,12 +81,14 @@ impl MsixState {
     }
 
     /// Back to power-on after a Function Level Reset: every entry zeroed and masked, no
-    /// bit pending, every vector's route held. (The guest's control word went to zero with
-    /// the reset, and [`MsixState::control`] has disconnected the device.)
+    /// bit pending, every vector's route held and what it held forgotten. (The guest's
+    /// control word went to zero with the reset, and [`MsixState::control`] has
+    /// disconnected the device.)
     pub fn reset(&self) {
         let vectors = self.layout.vectors;
         *lock(&self.table) = MsixTable::new(vectors);
         self.apply((0..vectors).map(MsixEvent::Mask).collect());
+        lock(&self.vectors).iter().for_each(MsiVector::drain);
     }
 
     fn apply(&self, events: Vec<MsixEvent>) {

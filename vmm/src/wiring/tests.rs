@@ -105,7 +105,12 @@ impl DmaTarget for FakeDma {
 struct FakeNic {
     seen: Shared,
     memory: Arc<std::fs::File>,
+    /// Whether its reset is a real one (not on [`NO_RESET`]).
+    can_reset: bool,
 }
+
+/// A vfio-user socket whose fake offers no device reset.
+const NO_RESET: &str = "/no-reset.sock";
 
 const MSIX: MsixLayout = MsixLayout { cap: 0x70, vectors: 4, table: (0, 0), pba: (0, 0x800) };
 /// Where the fake's MSI capability is (the VMM emulates it there).
@@ -171,6 +176,9 @@ impl PciDevice for FakeNic {
         lock(&self.seen).resets += 1;
         Ok(())
     }
+    fn can_reset(&self) -> bool {
+        self.can_reset
+    }
 }
 
 struct Machine {
@@ -213,9 +221,10 @@ fn started_machine_on(mut node: Node, backed: &[&str], backing: Backing) -> Mach
     let mmio = Arc::new(Bus::new("mmio"));
     let parts = MachineParts { memory: kvm.clone(), mmio: mmio.clone(), irq: Arc::new(GsiRouter::new(kvm).unwrap()) };
     // The NIC's own DMA target sees guest RAM; an observer (another device) its BAR.
-    let open = |_: &Node, _: usize| -> Result<Option<Opened>, String> {
+    let open = |node: &Node, i: usize| -> Result<Option<Opened>, String> {
+        let can_reset = node.functions[i].backing != Backing::VfioUser(NO_RESET.into());
         let device: Arc<Mutex<dyn PciDevice>> =
-            Arc::new(Mutex::new(FakeNic { seen: seen.clone(), memory: memfd.clone() }));
+            Arc::new(Mutex::new(FakeNic { seen: seen.clone(), memory: memfd.clone(), can_reset }));
         Ok(Some(Opened { device, dma: Some(Box::new(FakeDma(Arc::default()))), process: None }))
     };
     let (wiring, functions) = DeviceWiring::new(
@@ -724,7 +733,8 @@ fn test_an_emulator_is_told_the_command_register_only_when_more_than_decode_chan
 
 #[test]
 fn test_flr_resets_the_device_and_turns_off_what_the_guest_turned_on() {
-    let m = machine();
+    // An emulator's: the VMM keeps its Command register, so what reads back is the VMM's.
+    let m = machine_on(Node::preset("minimal").unwrap().unwrap(), &["nic0"], Backing::EmulatedNic);
     let bdf = m.node.functions[m.nic].bdf;
     let read16 = |reg: usize| {
         let mut b = [0u8; 2];
@@ -754,6 +764,7 @@ fn test_flr_resets_the_device_and_turns_off_what_the_guest_turned_on() {
     assert!(seen.irqfds.is_empty(), "no vector delivers");
     drop(seen);
     assert_eq!(read16(PCI_COMMAND), 0, "decode and bus mastering off");
+    assert_eq!(m.pci.images().contents(m.nic, PCI_COMMAND..PCI_COMMAND + 2).unwrap(), [0, 0], "the image says so too");
     // The BARs keep their addresses (the power-on state is firmware's), so the guest's
     // restore finds the table where it was: zeroed and every vector masked.
     m.config_write(PCI_COMMAND, &PCI_COMMAND_MEMORY.to_le_bytes());
@@ -783,4 +794,34 @@ fn test_flr_of_an_endpoint_with_nothing_behind_it_resets_its_registers_and_image
     m.config_write_to(gpu, devctl, &PCI_EXP_DEVCTL_BCR_FLR.to_le_bytes());
     assert_eq!(m.pci.images().contents(gpu, 0..CONFIG_SPACE_SIZE).unwrap(), power_on, "the image is power-on's");
     assert_eq!((read16(PCI_COMMAND), read16(devctl) & PCI_EXP_DEVCTL_BCR_FLR), (0, 0));
+}
+
+#[test]
+fn test_flr_of_a_passed_through_device_turns_its_decode_off_before_vfio_resets_it() {
+    let bdf = HostBdf { domain: 0, bus: 0x3b, device: 0, function: 0 };
+    let m = machine_on(Node::preset("minimal").unwrap().unwrap(), &["nic0"], Backing::Vfio(bdf));
+    let bar0 = m.bar0();
+    assert!(!m.live_slots().is_empty());
+    let resets = lock(&m.seen).resets;
+    let devctl = EXP_CAP + PCI_EXP_DEVCTL;
+    m.config_write(devctl, &PCI_EXP_DEVCTL_BCR_FLR.to_le_bytes());
+    // VFIO's reset restores the Command register the device had: it is cleared first.
+    let seen = lock(&m.seen);
+    assert_eq!(seen.config_writes.last(), Some(&(PCI_COMMAND, vec![0, 0])), "{:?}", seen.config_writes);
+    assert_eq!(seen.resets, resets + 1);
+    drop(seen);
+    assert!(m.live_slots().is_empty(), "decode went off: the BAR's slot is gone");
+    assert!(!m.mmio.ranges().iter().any(|&(b, _)| b == bar0), "and its trap");
+}
+
+#[test]
+fn test_a_device_that_cannot_reset_gets_the_flr_write_itself() {
+    let m = machine_on(Node::preset("minimal").unwrap().unwrap(), &["nic0"], Backing::VfioUser(NO_RESET.into()));
+    let devctl = EXP_CAP + PCI_EXP_DEVCTL;
+    let write = PCI_EXP_DEVCTL_BCR_FLR.to_le_bytes();
+    let resets = lock(&m.seen).resets;
+    m.config_write(devctl, &write);
+    let seen = lock(&m.seen);
+    assert_eq!(seen.resets, resets, "no reset from the VMM");
+    assert_eq!(seen.config_writes.last(), Some(&(devctl, write.to_vec())), "a server carries out its own FLR");
 }

@@ -23,11 +23,12 @@ pub fn function_level_reset<R: Mmio>(
 ) -> Findings {
     let mut f = Findings::default();
     match pcidev::reset_methods(dir) {
-        Some(methods) if methods.split_whitespace().any(|m| m == "flr") => {
+        // Linux tries the methods in this order and uses the first that works.
+        Some(methods) if methods.split_whitespace().next() == Some("flr") => {
             f.notes.push(format!("reset methods: {methods}"));
         }
         Some(methods) => {
-            f.problems.push(format!("Linux offers no FLR for it (reset_method: {methods:?})"));
+            f.problems.push(format!("Linux would not reset it by FLR first (reset_method: {methods:?})"));
             return f;
         }
         None => f.notes.push("no reset_method in sysfs (a kernel before 5.15): reset by whatever Linux picks".into()),
@@ -90,8 +91,8 @@ mod tests {
         let mut nic = FakeDevice::nic(ids.0, ids.1);
         let f = function_level_reset(sysfs(Some("flr")).path(), &mut nic, ids, 2, |_| Ok(()));
         assert_eq!(f.problems, ["scratch still reads 0x00000003 after the reset: the device was not reset"]);
-        let f = function_level_reset(sysfs(Some("pm bus")).path(), &mut nic, ids, 2, |_| Ok(()));
-        assert_eq!(f.problems, ["Linux offers no FLR for it (reset_method: \"pm bus\")"]);
+        let f = function_level_reset(sysfs(Some("pm flr bus")).path(), &mut nic, ids, 2, |_| Ok(()));
+        assert_eq!(f.problems, ["Linux would not reset it by FLR first (reset_method: \"pm flr bus\")"]);
         let f = function_level_reset(sysfs(None).path(), &mut nic, ids, 2, |_| Err("EIO".into()));
         assert_eq!(f.problems, ["reset: EIO"]);
         let f = function_level_reset(sysfs(None).path(), &mut nic, ids, 2, |d| {
