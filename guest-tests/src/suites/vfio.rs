@@ -111,10 +111,13 @@ fn legacy_irq(dir: &Path) -> Option<u32> {
     read_trimmed(&dir.join("irq")).and_then(|i| i.parse().ok()).filter(|&i| i != 0)
 }
 
-/// Whether the kernel command line asks e1000e for legacy interrupts (`e1000e.IntMode=0`).
-fn e1000e_wants_intx(ctx: &Context) -> bool {
-    read_trimmed(&ctx.path("/proc/cmdline"))
-        .is_some_and(|c| c.split_whitespace().any(|w| w.starts_with("e1000e.IntMode=0")))
+/// The interrupt mode the kernel command line asks of e1000e (`e1000e.IntMode=N`, the first
+/// adapter's: 0 legacy INTx, 1 MSI, 2 MSI-X), if it asks.
+fn e1000e_int_mode(ctx: &Context) -> Option<u32> {
+    read_trimmed(&ctx.path("/proc/cmdline"))?
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("e1000e.IntMode="))
+        .and_then(|modes| modes.split(',').next()?.parse().ok())
 }
 
 fn e1000e_bound(ctx: &Context) -> (Check, Vec<Nic>) {
@@ -146,8 +149,11 @@ fn e1000e_bound(ctx: &Context) -> (Check, Vec<Nic>) {
             problems.push(format!("{bdf} is bound to {}", driver.as_deref().unwrap_or("no driver")));
         }
         if msix.is_empty() {
-            match legacy_irq(&dir) {
-                Some(irq) if e1000e_wants_intx(ctx) => notes.push(format!("{bdf}: legacy INTx on IRQ {irq}, as asked")),
+            let msi: Vec<u32> = irqs.iter().filter(|(_, m)| m == "msi").map(|(i, _)| *i).collect();
+            match (e1000e_int_mode(ctx), legacy_irq(&dir)) {
+                (Some(0), Some(irq)) => notes.push(format!("{bdf}: legacy INTx on IRQ {irq}, as asked")),
+                (Some(1), _) if !msi.is_empty() => notes.push(format!("{bdf}: MSI on IRQ {msi:?}, as asked")),
+                (Some(1), _) => problems.push(format!("{bdf} has no MSI vector in msi_irqs/, though asked")),
                 _ => problems.push(format!("{bdf} has no MSI-X vectors in msi_irqs/")),
             }
         }
@@ -288,6 +294,15 @@ fn e1000e_frames(ctx: &Context, nics: &[Nic], token: u64) -> Check {
     }
     let after = interrupts(ctx);
     for nic in [a, b] {
+        // e1000e tests MSI when the interface comes up and falls back to INTx, quietly but
+        // for a log line, when its test interrupt does not arrive.
+        let msi = pcidev::msi_irqs(&nic.dir).iter().any(|(_, mode)| mode == "msi");
+        if e1000e_int_mode(ctx) == Some(1) && !msi {
+            problems.push(format!(
+                "{}: no MSI vector once up: e1000e's MSI test interrupt never arrived and it fell back to INTx",
+                nic.netdev
+            ));
+        }
         let irqs = nic.irqs();
         let list = irqs.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
         match (&before, &after) {
@@ -822,5 +837,19 @@ mod tests {
         let c = ctx(root.path());
         assert_eq!(link_state(&c.root, "eth0"), ("1".into(), "up".into()));
         assert_eq!(link_state(&c.root, "eth9"), ("?".into(), "?".into()));
+    }
+
+    #[test]
+    fn test_e1000e_interrupt_mode_from_the_command_line() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("proc")).unwrap();
+        let mode = |cmdline: &str| {
+            std::fs::write(dir.path().join("proc/cmdline"), cmdline).unwrap();
+            e1000e_int_mode(&ctx(dir.path()))
+        };
+        assert_eq!(mode("quiet e1000e.IntMode=1,1 gdrvm.suites=vfio\n"), Some(1));
+        assert_eq!(mode("e1000e.IntMode=0"), Some(0));
+        assert_eq!(mode("quiet e1000e.debug=3"), None);
+        assert_eq!(mode("e1000e.IntMode=x"), None);
     }
 }
