@@ -295,11 +295,14 @@ fn e1000e_frames(ctx: &Context, nics: &[Nic], token: u64) -> Check {
     let after = interrupts(ctx);
     for nic in [a, b] {
         // e1000e tests MSI when the interface comes up and falls back to INTx, quietly but
-        // for a log line, when its test interrupt does not arrive.
+        // for a log line, when its test interrupt does not arrive. QEMU's e1000e model never
+        // raises that one (its IMS drops the test's cause, RXSEQ), so on vfio-lab MSI mode
+        // always ends on INTx: said as a failure, since MSI was asked for and not tested.
         let msi = pcidev::msi_irqs(&nic.dir).iter().any(|(_, mode)| mode == "msi");
         if e1000e_int_mode(ctx) == Some(1) && !msi {
             problems.push(format!(
-                "{}: no MSI vector once up: e1000e's MSI test interrupt never arrived and it fell back to INTx",
+                "{}: no MSI vector once up: e1000e's MSI test interrupt never arrived and it fell back to INTx \
+                 (QEMU's e1000e model never raises it; on hardware, suspect the MSI path)",
                 nic.netdev
             ));
         }
