@@ -147,7 +147,8 @@ pub struct RunReport {
     pub phases: Vec<(&'static str, Duration)>,
     /// The exits the VMM served (exits KVM handled itself are not among them).
     pub exits: ExitTally,
-    /// Resident memory of the VMM beyond guest RAM (anonymous + file-backed), in KiB.
+    /// Resident memory of the VMM beyond guest RAM and device memory (its text, heap,
+    /// stacks, configuration images), in KiB.
     pub rss_beyond_guest_kib: Option<u64>,
     /// MMIO accesses nothing claimed (unbacked BARs read as all-ones), counted, not fatal.
     pub unclaimed_mmio: u64,
@@ -625,22 +626,61 @@ impl MutEventSubscriber for Supervisor {
     }
 }
 
-/// RssAnon + RssFile of this process: what the VMM itself uses, leaving out the shared
-/// memfd pages of guest RAM (RssShmem).
+/// Resident memory of this process beyond guest RAM and device memory, in KiB: every
+/// mapping's resident pages (anonymous, file-backed, shared memory) except the memfds of
+/// guest RAM and of emulated BARs. The VMM's own text counts however it was loaded: from a
+/// disk it is file-backed, from an initramfs (the nested L1) it is shared memory, which
+/// `RssAnon + RssFile` would leave out.
 fn rss_beyond_guest_kib() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let field = |name: &str| {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|v| v.trim().trim_end_matches(" kB").trim().parse::<u64>().ok())
-    };
-    Some(field("RssAnon:")? + field("RssFile:")?)
+    rss_beyond_guest_kib_in(&std::fs::read_to_string("/proc/self/smaps").ok()?)
+}
+
+/// [`rss_beyond_guest_kib`] of a `/proc/<pid>/smaps` text.
+fn rss_beyond_guest_kib_in(smaps: &str) -> Option<u64> {
+    let mut total = None;
+    let mut counted = false;
+    for line in smaps.lines() {
+        let mut words = line.split_whitespace();
+        let Some(first) = words.next() else { continue };
+        if first == "Rss:" {
+            let kib = words.next().and_then(|v| v.parse::<u64>().ok())?;
+            if counted {
+                total = Some(total.unwrap_or(0) + kib);
+            }
+        } else if first.contains('-') && !first.ends_with(':') {
+            // A mapping's header: range, permissions, offset, device, inode, then its name.
+            let name = words.nth(4).unwrap_or("");
+            let device_memory = name.starts_with("/memfd:gdrvm-")
+                && (name.starts_with("/memfd:gdrvm-guest-ram") || name.contains("-bar"));
+            counted = !device_memory;
+            total.get_or_insert(0);
+        }
+    }
+    total
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn test_rss_beyond_guest_leaves_out_guest_ram_and_bar_memory_only() {
+        let smaps = "\
+00400000-00800000 r-xp 00000000 08:01 1234                               /usr/bin/gdrvm
+Size:               4096 kB
+Rss:                3144 kB
+7f0000000000-7f0040000000 rw-s 00000000 00:01 55                         /memfd:gdrvm-guest-ram (deleted)
+Rss:               57340 kB
+7f1000000000-7f1000200000 rw-s 00000000 00:01 56                         /memfd:gdrvm-gpu0-bar1 (deleted)
+Rss:                 512 kB
+7f2000000000-7f2000001000 r--s 00000000 00:01 57                         /memfd:gdrvm-gpu0-config (deleted)
+Rss:                   4 kB
+7f3000000000-7f3000100000 rw-p 00000000 00:00 0 
+Rss:                 600 kB
+";
+        assert_eq!(rss_beyond_guest_kib_in(smaps), Some(3144 + 4 + 600));
+        assert_eq!(rss_beyond_guest_kib_in(""), None);
+    }
 
     /// Linux's probes of the type-1 and type-2 mechanisms (`pci_check_type1`,
     /// `pci_check_type2`) against the machine's ports: both find nothing, so Linux takes
