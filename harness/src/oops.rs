@@ -6,6 +6,7 @@ const HEADLINES: &[&str] = &[
     "BUG: ",
     "Oops: ",
     "general protection fault",
+    "Bad pagetable: ",
     "kernel BUG at",
     "stack guard page was hit",
     "double fault",
@@ -42,6 +43,18 @@ impl Oops {
             ["stack guard page was hit", "double fault", "stack overflow"].iter().any(|h| self.headline.contains(h));
         let entry = [":error_entry+", ":exc_page_fault+"];
         overflow && self.rip.as_deref().is_some_and(|r| entry.iter().any(|e| r.contains(e)))
+    }
+
+    /// The exception frame the oops prints cannot have been pushed by a CPU: its code
+    /// segment is the null selector (`RIP: 0000:...`), which no x86-64 context can run
+    /// with. Nested under QEMU TCG an interrupt is now and then delivered so: on
+    /// 2026-12-04 CI's flat guest died of `Bad pagetable: fcc8` (no page-fault error code
+    /// has those bits) with `RIP: 0000:` pointing into kernel data and RSP, SS and EFLAGS
+    /// holding kernel addresses, one slot off; the stop before saw `RIP: 0:0` with a NULL
+    /// dereference on an idle CPU. A kernel's own bug faults with its real selector
+    /// (`0010`, `0033`), whatever it corrupted.
+    pub fn has_impossible_frame(&self) -> bool {
+        self.rip.as_deref().is_some_and(|r| r.starts_with("RIP: 0000:"))
     }
 
     /// One line for tables: headline, task, RIP.
@@ -137,6 +150,30 @@ mod tests {
         assert!(!find(&elsewhere).unwrap().is_entry_fault_recursion());
         let null = lines(&console.join("\n").replace("stack guard page was hit", "kernel NULL pointer dereference"));
         assert!(!find(&null).unwrap().is_entry_fault_recursion());
+    }
+
+    /// The flat guest's death in CI on 2026-12-04, as its console showed it.
+    const NULL_CS: &str = "[    9.380342] init: Corrupted page table at address 38\n\
+        [    9.382521] PGD 0 P4D 0 \n\
+        [    9.382521] Bad pagetable: fcc8 [#1] PREEMPT SMP NOPTI\n\
+        [    9.382521] CPU: 0 PID: 1 Comm: init Not tainted 6.1.0-57-amd64 #1  Debian 6.1.192-3\n\
+        [    9.382521] RIP: 0000:0xffff88800517ca00\n\
+        [    9.382521] RSP: 20312a80:0000001881e01785 EFLAGS: ffffffff816a8ab2\n\
+        [    9.382521] Kernel panic - not syncing: Fatal exception in interrupt";
+
+    #[test]
+    fn test_a_frame_with_the_null_code_segment_is_impossible() {
+        let oops = find(&lines(NULL_CS)).unwrap();
+        assert_eq!(oops.at, 2);
+        assert!(oops.headline.starts_with("Bad pagetable: fcc8"));
+        assert_eq!(oops.rip.as_deref(), Some("RIP: 0000:0xffff88800517ca00"));
+        assert!(oops.has_impossible_frame());
+        assert!(!oops.is_entry_fault_recursion());
+        // The kernel's own faults carry its selectors.
+        for cs in ["0010", "0033"] {
+            let own = lines(&NULL_CS.replace("RIP: 0000:", &format!("RIP: {cs}:")));
+            assert!(!find(&own).unwrap().has_impossible_frame(), "{cs}");
+        }
     }
 
     #[test]

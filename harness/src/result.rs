@@ -216,7 +216,8 @@ impl VmResult {
     /// before the agent printed anything or by a triple fault the VMM saw (its CPU state
     /// went bad with no oops: early in boot, and under heavy interrupt traffic), or its
     /// kernel died of page faults recursing in the exception entry code
-    /// ([`Oops::is_entry_fault_recursion`]). The nested runner runs such a guest again and
+    /// ([`Oops::is_entry_fault_recursion`]) or of an exception frame no CPU pushes
+    /// ([`Oops::has_impossible_frame`]). The nested runner runs such a guest again and
     /// keeps each earlier run's end; a guest that really does this does it again.
     ///
     /// In a cluster run (consoles prefixed `[node] `), one node's guest doing so counts too.
@@ -236,11 +237,13 @@ impl VmResult {
             return false;
         }
         let triple = |line: &str| line.contains(TRIPLE_FAULT);
-        let entry_recursion = |lines: &[String]| oops::find(lines).is_some_and(|o| o.is_entry_fault_recursion());
+        let emulator_oops = |lines: &[String]| {
+            oops::find(lines).is_some_and(|o| o.is_entry_fault_recursion() || o.has_impossible_frame())
+        };
         if !self.panicked && (self.time_to_ktap.is_none() || self.console.iter().any(|l| triple(l))) {
             return true;
         }
-        if entry_recursion(&self.console) {
+        if emulator_oops(&self.console) {
             return true;
         }
         #[derive(Default)]
@@ -264,7 +267,7 @@ impl VmResult {
             n.triple |= triple(rest);
             n.console.push(rest.to_owned());
         }
-        nodes.values().any(|n| n.reset && ((!n.panicked && (!n.spoke || n.triple)) || entry_recursion(&n.console)))
+        nodes.values().any(|n| n.reset && ((!n.panicked && (!n.spoke || n.triple)) || emulator_oops(&n.console)))
     }
 
     /// The last [`TAIL_LINES`] console lines.
@@ -331,6 +334,24 @@ mod tests {
         cluster.time_to_ktap = Some(Duration::from_secs(9));
         assert!(cluster.lost_to_emulator());
         let own = result(VmOutcome::Exited(1), &died.replace("error_entry+0x1e", "do_sys_poll+0x1e"));
+        assert!(!own.lost_to_emulator());
+    }
+
+    #[test]
+    fn test_a_panic_on_a_frame_with_the_null_code_segment_is_lost_to_the_emulator() {
+        // CI's flat guest on 2026-12-04, mid capture suite.
+        let died = "KTAP version 1\n    # capture| kind = \"gpu\"\n\
+                    [    9.382521] Bad pagetable: fcc8 [#1] PREEMPT SMP NOPTI\n\
+                    [    9.382521] RIP: 0000:0xffff88800517ca00\n\
+                    [    9.382521] Kernel panic - not syncing: Fatal exception in interrupt\n\
+                    gdrvm: the guest reset without reporting a status";
+        let mut flat = result(VmOutcome::Exited(1), died);
+        flat.time_to_ktap = Some(Duration::from_secs(9));
+        flat.panicked = true;
+        assert!(flat.lost_to_emulator());
+        let mut own = result(VmOutcome::Exited(1), &died.replace("RIP: 0000:", "RIP: 0010:"));
+        own.time_to_ktap = Some(Duration::from_secs(9));
+        own.panicked = true;
         assert!(!own.lost_to_emulator());
     }
 
