@@ -549,6 +549,39 @@ mod tests {
         );
     }
 
+    /// gdrvm-gpu's report on a real GPU: the device check of 2026-12-04, a Firecracker VM
+    /// with one H200 passed through (driver 580, CUDA 13.0), no RDMA device.
+    const H200_REPORT: &str = r#"{"available":true,"driver_version":13000,"bandwidth_measured":true,"devices":[{"ordinal":0,"name":"NVIDIA H200","bus_id":"0000:00:06.0","total_memory":150109880320,"h2d_gbps":54.91058693382472,"d2h_gbps":55.010692469366944,"dmabuf_export":{"ok":true}}],"gdr":{"nvidia_peermem":false,"dmabuf_mr":null,"dmabuf_mr_reason":"not tried: no RDMA device in /sys/class/infiniband"}}"#;
+
+    #[test]
+    fn test_a_real_h200_report_passes_against_the_sysfs_recorded_beside_it() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/src/capture/fixtures/h200-vm");
+        let ctx = Context { expect: None, ..test_context(&root, vec![]) };
+        let r: GpuReport = serde_json::from_str(H200_REPORT).unwrap();
+        let c = checks(&ctx, &r);
+        let verdicts: Vec<(&str, &Verdict)> = c.iter().map(|c| (c.name.as_str(), &c.verdict)).collect();
+        assert!(c.iter().all(|c| !matches!(c.verdict, Verdict::Fail(_))), "{verdicts:?}");
+        let names: Vec<&str> = c.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "gpu_available",
+                "gpu_count",
+                "gpu_bus_ids",
+                "gpu0_memory",
+                "gpu0_h2d_d2h",
+                "peer_matrix",
+                "peer_copy",
+                "gdr_ready"
+            ]
+        );
+        let gdr = c.iter().find(|c| c.name == "gdr_ready").unwrap();
+        assert_eq!(gdr.verdict, Verdict::Pass, "{gdr:?}");
+        assert!(gdr.diagnostics.iter().any(|d| d.contains("dma-buf export ok")), "{gdr:?}");
+        let copies = c.iter().find(|c| c.name == "gpu0_h2d_d2h").unwrap();
+        assert!(copies.diagnostics.iter().any(|d| d.contains("H2D 54.9 GB/s, D2H 55.0 GB/s")), "{copies:?}");
+    }
+
     #[test]
     fn test_bare_metal_against_its_capture_expects_every_gpu_of_the_node_file() {
         let root = tempfile::tempdir().unwrap();

@@ -322,6 +322,36 @@ fn test_capture_of_the_recorded_dev_vm_loads() {
     assert!(c.toml.contains("backing = \"vfio:0000:00:02.0\""), "{}", c.toml);
 }
 
+/// The recorded sysfs of a GPU machine: a Firecracker VM with one NVIDIA H200 passed
+/// through (device check of 2026-12-04, fixtures/record-sysfs.sh run as root there).
+fn h200_vm() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("src/capture/fixtures/h200-vm")
+}
+
+#[test]
+fn test_capture_of_a_recorded_h200_vm_keeps_the_gpu_as_the_host_has_it() {
+    let c = capture(&h200_vm(), &CaptureOptions { vfio_classes: vec!["gpu".into()], ..Default::default() }).unwrap();
+    let again = Node::parse_with_host("h200-vm", &c.toml, &HostPci::at(h200_vm().join("sys"))).unwrap();
+    assert_eq!(again, Node { source: again.source.clone(), ..c.node.clone() });
+    assert_eq!(c.node.cpus(), 16);
+    let gpus: Vec<&crate::node::Function> =
+        c.node.functions.iter().filter(|f| f.kind == FunctionKind::Endpoint(EndpointKind::Gpu)).collect();
+    let [gpu] = gpus[..] else { panic!("{}", c.toml) };
+    assert_eq!((gpu.name.as_str(), gpu.vendor, gpu.device, gpu.class), ("gpu0", 0x10de, 0x2335, 0x030200));
+    assert_eq!(gpu.subsystem, Some((0x10de, 0x18bf)));
+    assert_eq!(gpu.link.as_ref().map(|l| (l.speed, l.width)), Some((crate::node::LinkSpeed::Gt32, 16)));
+    // Registers, the 256 GiB aperture and 32 MiB, as that VM presents them: all three
+    // 64-bit prefetchable (at 0, 2 and 4), where the bare chip's BAR0 is 32-bit.
+    let bars: Vec<(u8, u64, bool, bool)> =
+        gpu.bars.iter().map(|b| (b.index, b.size, b.prefetchable, b.is_64bit)).collect();
+    assert_eq!(bars, [(0, 16 << 20, true, true), (2, 256 << 30, true, true), (4, 32 << 20, true, true)], "{}", c.toml);
+    assert!(matches!(&gpu.backing, Backing::Vfio(b) if b.to_string() == "0000:00:06.0"), "{:?}", gpu.backing);
+    // The virtio functions beside it have no PCIe link: left out, each with a note.
+    for bdf in ["00:01.0", "00:02.0", "00:04.0", "00:05.0"] {
+        assert!(has_note(&c, &[&format!("0000:{bdf}: left out")]), "{}", notes_of(&c));
+    }
+}
+
 /// The sysfs of a guest gdrvm booted on `preset` (fixtures/guest-<preset>, written by
 /// `cargo xtask record-sysfs --node <preset>` with the vCPUs and memory given here): Linux's
 /// own view of gdrvm's tree, not the fake's.
