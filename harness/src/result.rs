@@ -220,6 +220,9 @@ impl VmResult {
     /// ([`Oops::has_impossible_frame`]). The nested runner runs such a guest again and
     /// keeps each earlier run's end; a guest that really does this does it again.
     ///
+    /// A triple fault after the agent reported its status counts too, when the report on
+    /// the console is incomplete (gdrvm then exits with that status).
+    ///
     /// In a cluster run (consoles prefixed `[node] `), one node's guest doing so counts too.
     /// A job that hung with processes L1 could not kill (stuck in L1's kernel) counts too,
     /// and so does any guest, whatever its end, whose kernel faulted inside the exception
@@ -233,10 +236,16 @@ impl VmResult {
             return !self.panicked
                 && self.console.iter().any(|l| l.contains(gdrvm_model::l1::SURVIVED_SIGKILL) || halted_for_good(l));
         }
+        let triple = |line: &str| line.contains(TRIPLE_FAULT);
+        if self.outcome == VmOutcome::Exited(0) {
+            // The agent reported its status and the emulator lost the guest before the
+            // console drained the rest of its report: gdrvm exits with the status, and the
+            // report ends mid-line.
+            return !self.panicked && !self.ktap.complete() && self.console.iter().any(|l| triple(l));
+        }
         if self.outcome != VmOutcome::Exited(1) {
             return false;
         }
-        let triple = |line: &str| line.contains(TRIPLE_FAULT);
         let emulator_oops = |lines: &[String]| {
             oops::find(lines).is_some_and(|o| o.is_entry_fault_recursion() || o.has_impossible_frame())
         };
@@ -335,6 +344,24 @@ mod tests {
         assert!(cluster.lost_to_emulator());
         let own = result(VmOutcome::Exited(1), &died.replace("error_entry+0x1e", "do_sys_poll+0x1e"));
         assert!(!own.lost_to_emulator());
+    }
+
+    #[test]
+    fn test_a_triple_fault_cutting_a_reported_pass_short_is_lost_to_the_emulator() {
+        // CI's bisect test on 2026-12-04: the agent reported status 0, vCPU 1 then
+        // triple-faulted delivering its timer interrupt, and the report ended mid-line.
+        let cut = "\x1b[33m WARN\x1b[0m gdrvm::vcpu: triple fault: the guest resets id=1\n\
+                   L1: KVM: vCPU thread vcpu1-108 shut down at rip 0xffffffff8117091a delivering interrupt vector 0xec\n\
+                   KTAP version 1\n1..1\n    KTAP version 1\n    # Subtest: drivers\n    1..2\n    \
+                   ok 1 gdrvm_drv_loaded\n    ok";
+        let mut r = result(VmOutcome::Exited(0), cut);
+        r.time_to_ktap = Some(Duration::from_secs(3));
+        assert!(r.lost_to_emulator());
+        // A complete report, or no triple fault, is the guest's own result.
+        let complete = format!("{cut} 2 gdrvm_drv_bound\nok 1 drivers");
+        assert!(!result(VmOutcome::Exited(0), &complete).lost_to_emulator());
+        let quiet = cut.replace("triple fault", "note");
+        assert!(!result(VmOutcome::Exited(0), &quiet).lost_to_emulator());
     }
 
     #[test]
