@@ -41,6 +41,9 @@ pub struct VfioPciDevice {
     msix: Option<MsixLayout>,
     msi: Option<MsiInfo>,
     interrupt_pin: Option<u8>,
+    /// The interrupt kind VFIO signals now: it has one at a time, and refuses to disable
+    /// one that is not on.
+    irqs_on: Option<IrqKind>,
     /// One bit per kind of failed access already logged (see [`Failure`]).
     logged: u32,
 }
@@ -93,7 +96,19 @@ impl VfioPciDevice {
             .filter(|pin| (1..=4).contains(pin) && backend.irq_count(IrqKind::Intx) > 0);
         let bars = describe_bars(&*backend, &config, msix.as_ref());
         let firewall = Firewall::new(&caps, &config, config_writes);
-        Ok(VfioPciDevice { name, backend, config_len, caps, firewall, bars, msix, msi, interrupt_pin, logged: 0 })
+        Ok(VfioPciDevice {
+            name,
+            backend,
+            config_len,
+            caps,
+            firewall,
+            bars,
+            msix,
+            msi,
+            interrupt_pin,
+            irqs_on: None,
+            logged: 0,
+        })
     }
 
     /// The device's name in messages (its host BDF).
@@ -148,19 +163,26 @@ impl VfioPciDevice {
         self.enable(IrqKind::Intx, &[trigger])?;
         self.backend.set_intx_resample(resample).map_err(|source| {
             // Leave INTx off rather than signalled but never unmasked.
-            let _ = self.backend.disable_irq(IrqKind::Intx);
+            if self.backend.disable_irq(IrqKind::Intx).is_ok() {
+                self.irqs_on = None;
+            }
             VfioError::Irq { name: self.name.clone(), kind: IrqKind::Intx, action: "enable", source }
         })
     }
 
-    /// Stops every vector of `kind`.
+    /// Stops every vector of `kind`; nothing to do when `kind` is not on.
     pub fn disable_irqs(&mut self, kind: IrqKind) -> Result<(), VfioError> {
+        if self.irqs_on != Some(kind) {
+            return Ok(());
+        }
         self.backend.disable_irq(kind).map_err(|source| VfioError::Irq {
             name: self.name.clone(),
             kind,
             action: "disable",
             source,
-        })
+        })?;
+        self.irqs_on = None;
+        Ok(())
     }
 
     fn enable(&mut self, kind: IrqKind, fds: &[&EventFd]) -> Result<(), VfioError> {
@@ -173,7 +195,9 @@ impl VfioPciDevice {
             kind,
             action: "enable",
             source,
-        })
+        })?;
+        self.irqs_on = Some(kind);
+        Ok(())
     }
 
     /// Guest configuration writes the firewall dropped something of, since open.
@@ -322,6 +346,15 @@ impl PciDevice for VfioPciDevice {
         if !self.backend.can_reset() {
             tracing::debug!(device = self.name, "VFIO offers no reset for this device");
             return Ok(());
+        }
+        // MSI and MSI-X off first, as QEMU's vfio_pci_pre_reset does: the device must not
+        // signal the guest's vectors across its reset, and the guest finds them off after
+        // it anyway (the VMM's own disconnect that follows has nothing left to do). INTx
+        // stays: its line is the function's.
+        if let Some(kind @ (IrqKind::Msi | IrqKind::Msix)) = self.irqs_on {
+            if let Err(e) = self.disable_irqs(kind) {
+                tracing::warn!(device = self.name, "before the reset: {e}");
+            }
         }
         self.backend.reset().map_err(DeviceError::Reset)
     }
@@ -648,6 +681,29 @@ mod tests {
         assert!(dev.msi().is_some());
         // Without MSI-X, its table pages need no hole.
         assert!(matches!(&dev.bars()[0].mapping, BarMapping::Mapped { holes, .. } if holes.is_empty()));
+    }
+
+    #[test]
+    fn test_vectors_go_off_before_a_reset_and_only_what_is_on_is_disabled() {
+        let fake = FakeDevice::gpu();
+        let mut dev = open(&fake, ConfigWrites::Filtered);
+        let fds: Vec<EventFd> = (0..2).map(|_| EventFd::new(0).unwrap()).collect();
+        let refs: Vec<&EventFd> = fds.iter().collect();
+        // Nothing is on: VFIO would refuse a disable, so none is asked.
+        dev.connect_msix(None).unwrap();
+        dev.disable_irqs(IrqKind::Intx).unwrap();
+        assert_eq!(fake.take_calls(), []);
+        // MSI-X on, then a Function Level Reset, then the VMM's disconnect.
+        dev.connect_msix(Some(&refs)).unwrap();
+        dev.reset().unwrap();
+        dev.connect_msix(None).unwrap();
+        assert_eq!(fake.take_calls(), [Call::Enable(IrqKind::Msix, 2), Call::Disable(IrqKind::Msix), Call::Reset]);
+        // INTx stays connected across a reset.
+        dev.enable_intx(refs[0], refs[1]).unwrap();
+        dev.reset().unwrap();
+        assert_eq!(fake.take_calls(), [Call::Enable(IrqKind::Intx, 1), Call::Resample, Call::Reset]);
+        dev.connect_intx(None).unwrap();
+        assert_eq!(fake.take_calls(), [Call::Disable(IrqKind::Intx)]);
     }
 
     #[test]
