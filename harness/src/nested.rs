@@ -252,7 +252,7 @@ impl Runner {
                 break;
             }
             let again: Vec<VmSpec> = lost.iter().map(|&i| specs[i].clone()).collect();
-            tracing::warn!(jobs = ?again.iter().map(|s| &s.name).collect::<Vec<_>>(), "guests lost to the emulator (reset with no panic, triple fault, entry fault recursion, unkillable hang); running them again in a fresh L1");
+            tracing::warn!(jobs = ?again.iter().map(|s| &s.name).collect::<Vec<_>>(), "guests lost to the emulator (reset with no panic, triple fault, entry fault recursion, impossible exception frame, unkillable hang); running them again in a fresh L1");
             let rerun = self.run_nested_restarting(&again, lab).await?;
             for (&i, mut r) in lost.iter().zip(rerun) {
                 // What L1 reported killing after the lost run is L1's trouble, not a leak.
@@ -267,8 +267,9 @@ impl Runner {
                     0,
                     format!(
                         "L1: a guest was lost to the emulator (a reset with no panic before printing anything, \
-                         a triple fault, page faults recursing in the kernel's entry code, or a hang whose \
-                         processes L1 could not kill: seen only nested under TCG); it ran again in a fresh L1. Previous run's last lines:\n{first}"
+                         a triple fault, page faults recursing in the kernel's entry code, an oops on an \
+                         exception frame no CPU pushes, or a hang whose processes L1 could not kill: seen \
+                         only nested under TCG); it ran again in a fresh L1. Previous run's last lines:\n{first}"
                     ),
                 );
                 r.emulator_losses = results[i].emulator_losses + 1;
