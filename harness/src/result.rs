@@ -220,8 +220,8 @@ impl VmResult {
     /// ([`Oops::has_impossible_frame`]). The nested runner runs such a guest again and
     /// keeps each earlier run's end; a guest that really does this does it again.
     ///
-    /// A triple fault after the agent reported its status counts too, when the report on
-    /// the console is incomplete (gdrvm then exits with that status).
+    /// So does a guest that exited 0 with its report cut short, once the agent spoke or
+    /// after a triple fault: the agent powers off only after its whole report.
     ///
     /// In a cluster run (consoles prefixed `[node] `), one node's guest doing so counts too.
     /// A job that hung with processes L1 could not kill (stuck in L1's kernel) counts too,
@@ -238,10 +238,12 @@ impl VmResult {
         }
         let triple = |line: &str| line.contains(TRIPLE_FAULT);
         if self.outcome == VmOutcome::Exited(0) {
-            // The agent reported its status and the emulator lost the guest before the
-            // console drained the rest of its report: gdrvm exits with the status, and the
-            // report ends mid-line.
-            return !self.panicked && !self.ktap.complete() && self.console.iter().any(|l| triple(l));
+            // The agent powers the guest off only after its whole report, so a report cut
+            // short with exit 0 is a guest stopped under it: the emulator lost it after the
+            // agent reported its status (a triple fault; gdrvm exits with the status) or a
+            // vCPU halted for good (gdrvm takes that for a power-off).
+            let spoke = self.time_to_ktap.is_some();
+            return !self.panicked && !self.ktap.complete() && (spoke || self.console.iter().any(|l| triple(l)));
         }
         if self.outcome != VmOutcome::Exited(1) {
             return false;
@@ -360,8 +362,13 @@ mod tests {
         // A complete report, or no triple fault, is the guest's own result.
         let complete = format!("{cut} 2 gdrvm_drv_bound\nok 1 drivers");
         assert!(!result(VmOutcome::Exited(0), &complete).lost_to_emulator());
+        // Without the triple fault, a report the agent began and never finished counts too
+        // (CI's matrix, 2026-12-04: a vela guest exited 0 mid-report), silence does not.
         let quiet = cut.replace("triple fault", "note");
         assert!(!result(VmOutcome::Exited(0), &quiet).lost_to_emulator());
+        let mut began = result(VmOutcome::Exited(0), &quiet);
+        began.time_to_ktap = Some(Duration::from_secs(3));
+        assert!(began.lost_to_emulator());
     }
 
     #[test]
