@@ -163,9 +163,7 @@ impl VfioPciDevice {
         self.enable(IrqKind::Intx, &[trigger])?;
         self.backend.set_intx_resample(resample).map_err(|source| {
             // Leave INTx off rather than signalled but never unmasked.
-            if self.backend.disable_irq(IrqKind::Intx).is_ok() {
-                self.irqs_on = None;
-            }
+            let _ = self.disable_irqs(IrqKind::Intx);
             VfioError::Irq { name: self.name.clone(), kind: IrqKind::Intx, action: "enable", source }
         })
     }
