@@ -4,6 +4,7 @@
 
 use std::fs::File;
 use std::io::Read;
+use std::ops::Range;
 use std::thread::{Scope, ScopedJoinHandle};
 
 use gdrvm_model::layout::{self, E820Entry};
@@ -76,6 +77,18 @@ pub enum EntryMode {
     Linux64,
 }
 
+/// What loading left in guest RAM: the boot CPU's entry and where the images lie.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Loaded {
+    /// Where and how the boot CPU starts.
+    pub entry: BootEntry,
+    /// The kernel image in guest physical memory, from its load address (a vmlinux's
+    /// entry point) to the end of its last segment, zero-filled parts (bss, brk) included.
+    pub kernel: Range<u64>,
+    /// The initramfs, where there is one.
+    pub initrd: Option<Range<u64>>,
+}
+
 /// Where and how the boot CPU starts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BootEntry {
@@ -133,19 +146,19 @@ pub fn load(
     initrd: Option<&dyn InitrdSource>,
     rsdp: u64,
     phases: &mut SetupPhases,
-) -> Result<BootEntry, BootError> {
+) -> Result<Loaded, BootError> {
     std::thread::scope(|s| finish(start_copies(s, mem, config, initrd), mem, config, rsdp, phases))
 }
 
 /// Waits for `copies`, then writes the command line and the boot structures around them
-/// and returns the boot CPU's entry.
+/// and returns the boot CPU's entry and where the images lie.
 pub fn finish(
     copies: Copies<'_>,
     mem: &GuestMemoryMmap,
     config: &VmConfig,
     rsdp: u64,
     phases: &mut SetupPhases,
-) -> Result<BootEntry, BootError> {
+) -> Result<Loaded, BootError> {
     let kernel = join(copies.kernel);
     let initrd = copies.initrd.map(|c| (c.job.map(join), c.size, c.addr));
     let kernel = kernel?;
@@ -161,10 +174,10 @@ pub fn finish(
     phases.mark("kernel and initramfs load (the rest of it)");
     let e820 = layout::e820_map(config.memory);
 
-    match kernel.pvh_boot_cap {
+    let entry = match kernel.pvh_boot_cap {
         PvhBootCapability::PvhEntryPresent(entry) if config.pvh => {
             write_pvh_start_info(mem, cmdline, initrd, rsdp, &e820)?;
-            Ok(BootEntry { rip: entry.raw_value(), mode: EntryMode::Pvh })
+            BootEntry { rip: entry.raw_value(), mode: EntryMode::Pvh }
         }
         _ => {
             write_zero_page(mem, &kernel, cmdline, initrd, rsdp, &e820)?;
@@ -174,9 +187,14 @@ pub fn finish(
                 // A vmlinux: the loader returns its ELF entry point.
                 None => kernel.kernel_load.raw_value(),
             };
-            Ok(BootEntry { rip, mode: EntryMode::Linux64 })
+            BootEntry { rip, mode: EntryMode::Linux64 }
         }
-    }
+    };
+    Ok(Loaded {
+        entry,
+        kernel: kernel.kernel_load.raw_value().min(kernel.kernel_end)..kernel.kernel_end,
+        initrd: initrd.map(|(addr, size)| addr..addr + size as u64),
+    })
 }
 
 /// Waits for a copy's thread; its panic is this thread's.
@@ -397,10 +415,14 @@ mod tests {
     fn test_pvh_vmlinux_gets_start_info() {
         let dir = tempfile::tempdir().unwrap();
         let m = mem(64 * MIB);
-        let entry =
+        let loaded =
             load(&m, &config(&dir, &tiny_elf(true)), Some(&&b"070701initrd"[..]), layout::ACPI_START, &mut phases())
                 .unwrap();
-        assert_eq!(entry, BootEntry { rip: 16 * MIB + 0x40, mode: EntryMode::Pvh });
+        assert_eq!(loaded.entry, BootEntry { rip: 16 * MIB + 0x40, mode: EntryMode::Pvh });
+        // Where the images lie, for the prefault: the kernel at 16 MiB, the initrd in the
+        // last page of RAM.
+        assert!(loaded.kernel.start >= 16 * MIB && loaded.kernel.end >= loaded.kernel.start);
+        assert_eq!(loaded.initrd, Some(64 * MIB - 0x1000..64 * MIB - 0x1000 + 12));
         let info: hvm_start_info = m.read_obj(GuestAddress(layout::PVH_INFO_START)).unwrap();
         assert_eq!(info.magic, XEN_HVM_START_MAGIC);
         assert_eq!(info.rsdp_paddr, layout::ACPI_START);
@@ -426,7 +448,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let m = mem(64 * MIB);
         let cfg = VmConfig { pvh: false, ..config(&dir, &tiny_elf(true)) };
-        let entry = load(&m, &cfg, None, layout::ACPI_START, &mut phases()).unwrap();
+        let entry = load(&m, &cfg, None, layout::ACPI_START, &mut phases()).unwrap().entry;
         assert_eq!(entry, BootEntry { rip: 16 * MIB + 0x1000, mode: EntryMode::Linux64 });
         let params: boot_params = m.read_obj(GuestAddress(layout::ZERO_PAGE_START)).unwrap();
         assert_eq!({ params.acpi_rsdp_addr }, layout::ACPI_START);
@@ -436,7 +458,7 @@ mod tests {
     fn test_vmlinux_without_pvh_note_uses_zero_page() {
         let dir = tempfile::tempdir().unwrap();
         let m = mem(64 * MIB);
-        let entry = load(&m, &config(&dir, &tiny_elf(false)), None, layout::ACPI_START, &mut phases()).unwrap();
+        let entry = load(&m, &config(&dir, &tiny_elf(false)), None, layout::ACPI_START, &mut phases()).unwrap().entry;
         assert_eq!(entry, BootEntry { rip: 16 * MIB + 0x1000, mode: EntryMode::Linux64 });
         let params: boot_params = m.read_obj(GuestAddress(layout::ZERO_PAGE_START)).unwrap();
         assert_eq!({ params.hdr.header }, KERNEL_HDR_MAGIC);

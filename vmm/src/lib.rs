@@ -14,6 +14,7 @@ pub mod irq;
 pub mod machine;
 pub mod memory;
 pub mod pci;
+pub mod prefault;
 pub mod signals;
 pub mod stats;
 pub mod vcpu;

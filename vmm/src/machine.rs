@@ -31,6 +31,7 @@ use crate::cpu_topology::CpuPlace;
 use crate::host_numa::{self, HostNumaError, HostPlacement};
 use crate::irq::{GsiRouter, IrqError};
 use crate::pci::{Ecam, PciSegment};
+use crate::prefault::{self, Prefault};
 use crate::signals::StopSignals;
 use crate::stats::{ExitTally, SetupPhases};
 use crate::vcpu::{self, ExitContext, VcpuError};
@@ -199,16 +200,19 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
     let mmio = Arc::new(Bus::new("mmio"));
     let cpus = cpu_topology::layout(config.cpus, &config.node.numa);
     let initrd = initrd.as_ref().map(|i| i as &dyn initrd::InitrdSource);
-    let (devices, entry) = std::thread::scope(|s| {
+    let (devices, loaded) = std::thread::scope(|s| {
         // The kernel's and the initramfs's copies need only guest memory: they run while
         // the devices are wired and the firmware tables written (disjoint guest memory).
         let copies = boot::start_copies(s, &ram.memory, config, initrd);
         // Dropped when `run` returns, whatever the path: BARs leave the guest, devices reset.
         let devices = wire_devices(config, emulators, &vm, &mmio, &irq, &ram)?;
         phases.mark("devices");
-        let entry = load_guest(&ram.memory, config, &cpus, copies, &mut phases)?;
-        Ok::<_, VmmError>((devices, entry))
+        let loaded = load_guest(&ram.memory, config, &cpus, copies, &mut phases)?;
+        Ok::<_, VmmError>((devices, loaded))
     })?;
+    // Joined before guest RAM goes (declared after it, dropped before it).
+    let _prefault =
+        Prefault::start(&ram.memory, &prefault::boot_regions(config.memory, &loaded.kernel, loaded.initrd.as_ref()));
 
     let signal = Arc::new(GuestExitSignal::new().map_err(host("create an eventfd"))?);
     let serial_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(host("create an eventfd"))?;
@@ -219,7 +223,7 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
         drained.try_clone().map_err(host("clone an eventfd"))?,
         console.output,
     )));
-    let vcpus = create_vcpus(&supported_cpuid, vcpu::mcg_cap(&kvm_sys), &vm, &cpus, entry)?;
+    let vcpus = create_vcpus(&supported_cpuid, vcpu::mcg_cap(&kvm_sys), &vm, &cpus, loaded.entry)?;
     let ctx = ExitContext {
         pio: Arc::new(port_io_bus(&signal, serial.clone())?),
         mmio,
@@ -302,13 +306,13 @@ fn load_guest(
     cpus: &[CpuPlace],
     copies: boot::Copies<'_>,
     phases: &mut SetupPhases,
-) -> Result<boot::BootEntry, VmmError> {
+) -> Result<boot::Loaded, VmmError> {
     let rsdp = acpi::write(mem, cpus, &config.node)?;
     bios::write(mem).map_err(|source| VmmError::GuestMemory { what: "write the reset vector", source })?;
     phases.mark("firmware tables");
-    let entry = boot::finish(copies, mem, config, rsdp, phases)?;
-    vcpu::write_boot_tables(mem, entry.mode)?;
-    Ok(entry)
+    let loaded = boot::finish(copies, mem, config, rsdp, phases)?;
+    vcpu::write_boot_tables(mem, loaded.entry.mode)?;
+    Ok(loaded)
 }
 
 /// Creates and configures one vCPU per place; the KVM vCPU id is the APIC id, and vCPU 0
