@@ -210,9 +210,6 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
         let loaded = load_guest(&ram.memory, config, &cpus, copies, &mut phases)?;
         Ok::<_, VmmError>((devices, loaded))
     })?;
-    // Joined before guest RAM goes (declared after it, dropped before it).
-    let _prefault =
-        Prefault::start(&ram.memory, &prefault::boot_regions(config.memory, &loaded.kernel, loaded.initrd.as_ref()));
 
     let signal = Arc::new(GuestExitSignal::new().map_err(host("create an eventfd"))?);
     let serial_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(host("create an eventfd"))?;
@@ -235,6 +232,11 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
     phases.mark("vCPUs");
     let pins = cpus.iter().map(|place| placement.cpus(place.socket).map(<[usize]>::to_vec)).collect();
     let mut threads = VcpuThreads::start(vcpus, pins, &ctx)?;
+    // Started once the vCPUs are: each populating step holds the address space's lock,
+    // which creating a vCPU or a thread needs for writing. Joined before guest RAM goes
+    // (declared after it, dropped before it).
+    let _prefault =
+        Prefault::start(&ram.memory, &prefault::boot_regions(config.memory, &loaded.kernel, loaded.initrd.as_ref()));
 
     let _raw = if console.interactive { RawTerminal::enter(libc::STDIN_FILENO) } else { None };
     let supervisor = Supervisor {
