@@ -25,6 +25,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
+use gdrvm_model::layout;
 use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 
 /// The populating step: one huge page, so a stop is noticed within one page's zeroing.
@@ -39,13 +40,20 @@ const STRUCT_PAGE_SHARE: u64 = 64;
 
 /// The guest-physical regions a booting Linux touches first, in the order it does: the
 /// kernel's bss and brk (from its end down, as the guest clears it from its start up),
-/// the boot allocator's region below the initramfs (top down, as it allocates) and the
-/// page allocator's first pages above the kernel. Regions are 2 MiB aligned and may
-/// overlap what the image copies already populated, which costs next to nothing.
+/// the boot allocator's region at the top of RAM, below the initramfs where that lies at
+/// the top (top down, as it allocates), and the page allocator's first pages above the
+/// kernel. Regions are 2 MiB aligned and may overlap what the image copies already
+/// populated, which costs next to nothing; parts in the MMIO hole are skipped.
 pub fn boot_regions(ram: u64, kernel: &Range<u64>, initrd: Option<&Range<u64>>) -> Vec<Populate> {
     let align_down = |a: u64| a & !(STEP - 1);
     let align_up = |a: u64| a.saturating_add(STEP - 1) & !(STEP - 1);
-    let top = initrd.map_or(ram, |i| i.start);
+    let ram_end = layout::ram_ranges(ram).last().map_or(0, |&(start, len)| start + len);
+    // The initramfs sits at the top of RAM below 2 GiB (where Linux's boot protocol wants
+    // it); above that much RAM the boot allocator starts from the real top.
+    let top = match initrd {
+        Some(i) if i.end.saturating_add(STEP) >= ram_end => i.start,
+        _ => ram_end,
+    };
     let below = BELOW_INITRD + ram / STRUCT_PAGE_SHARE;
     let kernel_end = align_up(kernel.end);
     [
@@ -178,6 +186,16 @@ mod tests {
                 Populate { range: 100 * MIB..128 * MIB, downwards: false },
             ]
         );
+    }
+
+    #[test]
+    fn test_big_ram_populates_below_its_real_top_not_below_the_initrd() {
+        // 8 GiB: RAM runs to 9 GiB above the hole; the initramfs sits below 2 GiB, and the
+        // boot allocator's region (16 MiB and 128 MiB of struct pages) is under 9 GiB.
+        let kernel = 16 * MIB..76 * MIB;
+        let initrd = 2024 * MIB..2048 * MIB;
+        let regions = boot_regions(8192 * MIB, &kernel, Some(&initrd));
+        assert_eq!(regions[1], Populate { range: 9072 * MIB..9216 * MIB, downwards: true });
     }
 
     #[test]
