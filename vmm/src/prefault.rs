@@ -99,9 +99,8 @@ impl Prefault {
             .filter_map(|(gpa, len)| {
                 let len = usize::try_from(len).ok()?;
                 // The whole step must lie in one region of guest RAM.
-                mem.get_slice(GuestAddress(gpa), len).ok()?;
-                let host = mem.get_host_address(GuestAddress(gpa)).ok()?;
-                Some((host as usize, len))
+                let slice = mem.get_slice(GuestAddress(gpa), len).ok()?;
+                Some((slice.ptr_guard().as_ptr() as usize, len))
             })
             .collect();
         let stop = Arc::new(AtomicBool::new(false));
