@@ -3,6 +3,7 @@
 //! into the BIOS area of guest memory.
 
 use std::collections::BTreeSet;
+use std::ops::Range;
 
 use acpi_tables::fadt::{FADTBuilder, Flags};
 use acpi_tables::gas::{AccessSize, AddressSpace, GAS};
@@ -19,7 +20,7 @@ use gdrvm_model::layout::{self, ECAM_BASE, ECAM_SIZE};
 use gdrvm_model::node::{HostBridge, Node, NumaNode};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
-use crate::cpu_topology::CpuPlace;
+use crate::cpu_topology::{self, CpuPlace};
 
 const OEM_ID: [u8; 6] = *b"GDRVM ";
 const OEM_TABLE_ID: [u8; 8] = *b"GDRVMVM ";
@@ -83,8 +84,8 @@ pub fn build(cpus: &[CpuPlace], node: &Node) -> Vec<PlacedTable> {
         .collect()
 }
 
-/// Writes the tables into guest memory; returns the RSDP's address.
-pub fn write(mem: &GuestMemoryMmap, cpus: &[CpuPlace], node: &Node) -> Result<u64, AcpiError> {
+/// Writes the tables into guest memory; returns the area they fill, which starts with the RSDP.
+pub fn write(mem: &GuestMemoryMmap, cpus: &[CpuPlace], node: &Node) -> Result<Range<u64>, AcpiError> {
     let tables = build(cpus, node);
     let end = tables.iter().map(|t| t.addr + t.bytes.len() as u64).max().unwrap_or(layout::ACPI_START);
     if end > layout::BIOS_END {
@@ -93,7 +94,7 @@ pub fn write(mem: &GuestMemoryMmap, cpus: &[CpuPlace], node: &Node) -> Result<u6
     for t in &tables {
         mem.write_slice(&t.bytes, GuestAddress(t.addr)).map_err(|_| AcpiError::GuestWrite(t.signature.clone()))?;
     }
-    Ok(layout::ACPI_START)
+    Ok(layout::ACPI_START..end)
 }
 
 fn to_bytes(table: &dyn Aml) -> Vec<u8> {
@@ -129,9 +130,7 @@ fn madt(cpus: &[CpuPlace]) -> Vec<u8> {
         // The config keeps APIC ids below 255, so the 8-bit xAPIC entry holds them.
         madt.add_structure(ProcessorLocalApic::new(uid, cpu.apic_id as u8, EnabledStatus::Enabled));
     }
-    // The IOAPIC's id follows the highest APIC id so that no ids collide.
-    let ioapic_id = cpus.iter().map(|c| c.apic_id + 1).max().unwrap_or(0) as u8;
-    madt.add_structure(IoApic::new(ioapic_id, layout::IOAPIC_START as u32, 0));
+    madt.add_structure(IoApic::new(cpu_topology::ioapic_id(cpus), layout::IOAPIC_START as u32, 0));
     to_bytes(&madt)
 }
 

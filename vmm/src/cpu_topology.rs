@@ -19,6 +19,13 @@ pub struct CpuPlace {
     pub core_bits: u32,
 }
 
+/// The IOAPIC's APIC id: the one after the highest vCPU's, so that no ids collide. The
+/// MADT and the MP table both name it.
+pub fn ioapic_id(cpus: &[CpuPlace]) -> u8 {
+    // The config keeps APIC ids below 255, so the next one fits in the tables' 8 bits.
+    cpus.iter().map(|c| c.apic_id + 1).max().unwrap_or(0) as u8
+}
+
 /// Every vCPU's place, in vCPU order (NUMA node by node).
 pub fn layout(cpus: u32, numa: &[NumaNode]) -> Vec<CpuPlace> {
     let per_socket: Vec<u32> = if numa.len() > 1 { numa.iter().map(|n| n.cpus).collect() } else { vec![cpus] };

@@ -13,6 +13,7 @@ pub mod initrd;
 pub mod irq;
 pub mod machine;
 pub mod memory;
+pub mod mptable;
 pub mod pci;
 pub mod prefault;
 pub mod signals;

@@ -35,7 +35,7 @@ use crate::prefault::{self, Prefault};
 use crate::signals::StopSignals;
 use crate::stats::{ExitTally, SetupPhases};
 use crate::vcpu::{self, ExitContext, VcpuError};
-use crate::{acpi, bios, boot, cpu_topology, initrd, memory, wiring};
+use crate::{acpi, bios, boot, cpu_topology, initrd, memory, mptable, wiring};
 
 /// Errors that stop a VM from being built or run.
 #[derive(Debug, thiserror::Error)]
@@ -67,6 +67,9 @@ pub enum VmmError {
     /// The firmware tables could not be written.
     #[error(transparent)]
     Acpi(#[from] acpi::AcpiError),
+    /// The MP tables could not be written.
+    #[error(transparent)]
+    MpTable(#[from] mptable::MpTableError),
     /// A vCPU failed.
     #[error(transparent)]
     Vcpu(#[from] VcpuError),
@@ -300,7 +303,7 @@ fn interrupt_routing(vm: &Arc<VmFd>) -> Result<Arc<GsiRouter>, VmmError> {
     Ok(irq)
 }
 
-/// Writes the firmware (ACPI tables, reset vector), waits for the kernel's and the initrd's
+/// Writes the firmware (ACPI and MP tables, reset vector), waits for the kernel's and the initrd's
 /// `copies`, and writes the boot structures.
 fn load_guest(
     mem: &vm_memory::GuestMemoryMmap,
@@ -309,10 +312,11 @@ fn load_guest(
     copies: boot::Copies<'_>,
     phases: &mut SetupPhases,
 ) -> Result<boot::Loaded, VmmError> {
-    let rsdp = acpi::write(mem, cpus, &config.node)?;
+    let acpi_area = acpi::write(mem, cpus, &config.node)?;
+    mptable::write(mem, cpus, cpu_topology::ioapic_id(cpus), acpi_area.end..bios::RESET_VECTOR)?;
     bios::write(mem).map_err(|source| VmmError::GuestMemory { what: "write the reset vector", source })?;
     phases.mark("firmware tables");
-    let loaded = boot::finish(copies, mem, config, rsdp, phases)?;
+    let loaded = boot::finish(copies, mem, config, acpi_area.start, phases)?;
     vcpu::write_boot_tables(mem, loaded.entry.mode)?;
     Ok(loaded)
 }

@@ -19,7 +19,7 @@ const NO_EARLY_ACCESS: &str = "PCI: Fatal: No config space access function found
 const MEMORY_TOLERANCE: f64 = 0.05;
 
 pub fn run(ctx: &Context) -> Vec<Check> {
-    vec![kernel_release(ctx), online_cpus(ctx), memory(ctx), kernel_log_clean(ctx), modules_loaded(ctx)]
+    vec![kernel_release(ctx), online_cpus(ctx), memory(ctx), kernel_log_clean(ctx), mp_table(ctx), modules_loaded(ctx)]
 }
 
 fn not_in_vm() -> Verdict {
@@ -140,6 +140,29 @@ fn kernel_log_clean(ctx: &Context) -> Check {
     check
 }
 
+/// What Linux logs when its early scan finds gdrvm's MP floating pointer, at the start of
+/// the EBDA.
+const MP_TABLE_FOUND: &str = "found SMP MP-table at [mem 0x0009fc00-0x0009fc0f]";
+
+/// In a gdrvm guest, Linux found the MP floating pointer where the VMM put it, so its
+/// 16-byte scan of low memory stopped there instead of remapping 4,200 places.
+fn mp_table(ctx: &Context) -> Check {
+    if ctx.expect.as_ref().is_none_or(|e| e.host) {
+        return Check::new("mp_table", not_in_vm());
+    }
+    let log = match &ctx.kernel_log {
+        Ok(log) => log,
+        Err(e) => return Check::new("mp_table", Verdict::Skip(format!("cannot read the kernel log: {e}"))),
+    };
+    match log.lines().find(|l| l.contains("SMP MP-table") || l.contains("MPTABLE")) {
+        Some(line) if line.contains(MP_TABLE_FOUND) => Check::new("mp_table", Verdict::Pass),
+        Some(line) => Check::new("mp_table", Verdict::Fail(format!("unexpected: {}", line.trim()))),
+        None => {
+            Check::new("mp_table", Verdict::Fail("no MP floating pointer found: the scan ran its full length".into()))
+        }
+    }
+}
+
 /// Whether `line` is Linux accepting ECAM because ACPI reserves it (`pci_mmcfg_late_init`):
 /// "PCI: MMCONFIG at [mem ..] reserved in ACPI motherboard resources" (6.1), "..reserved
 /// as ACPI motherboard resource" (6.2 on), with ECAM for MMCONFIG in later kernels; not
@@ -221,7 +244,7 @@ mod tests {
         }
     }
 
-    const GOOD_LOG: &str = "[    0.1] Memory: 982148K/1048040K available (14343K kernel code)\n";
+    const GOOD_LOG: &str = "[    0.0] found SMP MP-table at [mem 0x0009fc00-0x0009fc0f]\n[    0.1] Memory: 982148K/1048040K available (14343K kernel code)\n";
 
     #[test]
     fn test_all_pass_on_a_good_guest() {
@@ -275,6 +298,17 @@ mod tests {
         }
         let refused = "[    0.60] [Firmware Info]: PCI: MMCONFIG at [mem 0xe0000000-0xe00fffff] not reserved in ACPI motherboard resources\n";
         assert!(matches!(check(&format!("{GOOD_LOG}{fatal}{refused}")).verdict, Verdict::Fail(_)), "ECAM refused");
+    }
+
+    #[test]
+    fn test_mp_table_must_be_found_in_the_ebda() {
+        let root = fake_root("0-1\n", "6.1.0-57-amd64\n");
+        let verdict = |log: &str| mp_table(&ctx(root.path(), log)).verdict;
+        assert_eq!(verdict(GOOD_LOG), Verdict::Pass);
+        let memory_only = "[    0.1] Memory: 982148K/1048040K available\n";
+        assert!(matches!(verdict(memory_only), Verdict::Fail(m) if m.contains("full length")));
+        let elsewhere = "[    0.0] found SMP MP-table at [mem 0x000f5b90-0x000f5b9f]\n";
+        assert!(matches!(verdict(elsewhere), Verdict::Fail(m) if m.contains("0x000f5b90")));
     }
 
     #[test]

@@ -22,7 +22,7 @@ fn test_smoke_suite_passes_with_two_cpus_and_1g() {
     assert_eq!(r.outcome, VmOutcome::Exited(0), "{}", dump(&r));
     assert!(r.ktap.all_ok(), "{}", dump(&r));
     assert_eq!(r.exit_code(), exit::PASS);
-    for check in ["kernel_release", "online_cpus", "memory", "kernel_log_clean", "modules_loaded"] {
+    for check in ["kernel_release", "online_cpus", "memory", "kernel_log_clean", "mp_table", "modules_loaded"] {
         assert_eq!(case(&r.ktap, "smoke", check).outcome, CaseOutcome::Pass, "{check}: {}", dump(&r));
     }
     // What Linux reported, as the agent quotes it.
