@@ -185,33 +185,35 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
     // VM's creation instead of following it.
     let emulators = wiring::Prestarted::start(&config.node)?;
     phases.mark("emulators started");
-    let (kvm_sys, vm) = create_vm()?;
-    let irq = interrupt_routing(&vm)?;
-    phases.mark("VM creation");
     let ram = memory::create(config.memory)?;
     // Bound before anything writes guest memory: placement happens at first touch.
     let numa_err = |source| VmmError::HostNuma { node: config.node.source.clone(), source };
     let placement = HostPlacement::read(Path::new(host_numa::SYSFS_NODES), &config.node.numa).map_err(numa_err)?;
     placement.bind_memory(&ram.memory, &config.node.numa).map_err(numa_err)?;
-    register_memory(&vm, &ram.memory)?;
     phases.mark("guest memory");
 
-    let mut supported_cpuid =
-        kvm_sys.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(kvm("read the supported CPUID"))?;
-    vcpu::announce_emulated_features(&mut supported_cpuid, kvm_sys.check_extension(Cap::TscDeadlineTimer));
-    check_address_bits(&supported_cpuid, &config.node)?;
-    let mmio = Arc::new(Bus::new("mmio"));
     let cpus = cpu_topology::layout(config.cpus, &config.node.numa);
     let initrd = initrd.as_ref().map(|i| i as &dyn initrd::InitrdSource);
-    let (devices, loaded) = std::thread::scope(|s| {
-        // The kernel's and the initramfs's copies need only guest memory: they run while
-        // the devices are wired and the firmware tables written (disjoint guest memory).
+    let (kvm_sys, vm, irq, supported_cpuid, mmio, devices, loaded) = std::thread::scope(|s| {
+        // The kernel's and the initramfs's copies need only guest memory, and take longest
+        // of the setup: they run while the VM is created, the devices wired and the
+        // firmware tables written (disjoint guest memory).
         let copies = boot::start_copies(s, &ram.memory, config, initrd);
+        let (kvm_sys, vm) = create_vm()?;
+        let irq = interrupt_routing(&vm)?;
+        register_memory(&vm, &ram.memory)?;
+        phases.mark("VM creation");
+
+        let mut supported_cpuid =
+            kvm_sys.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(kvm("read the supported CPUID"))?;
+        vcpu::announce_emulated_features(&mut supported_cpuid, kvm_sys.check_extension(Cap::TscDeadlineTimer));
+        check_address_bits(&supported_cpuid, &config.node)?;
+        let mmio = Arc::new(Bus::new("mmio"));
         // Dropped when `run` returns, whatever the path: BARs leave the guest, devices reset.
         let devices = wire_devices(config, emulators, &vm, &mmio, &irq, &ram)?;
         phases.mark("devices");
         let loaded = load_guest(&ram.memory, config, &cpus, copies, &mut phases)?;
-        Ok::<_, VmmError>((devices, loaded))
+        Ok::<_, VmmError>((kvm_sys, vm, irq, supported_cpuid, mmio, devices, loaded))
     })?;
 
     let signal = Arc::new(GuestExitSignal::new().map_err(host("create an eventfd"))?);
