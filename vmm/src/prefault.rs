@@ -35,18 +35,24 @@ const ABOVE_KERNEL: u64 = 64 << 20;
 /// The fixed part of what the boot allocator takes below the initramfs (page tables,
 /// per-CPU areas, hash tables); the struct page array comes on top, [`STRUCT_PAGE_SHARE`].
 const BELOW_INITRD: u64 = 16 << 20;
+/// What the boot allocator takes from the top of a NUMA node other than the last, besides
+/// its struct pages: the node's data and the per-CPU areas of its CPUs.
+const NODE_OWN: u64 = 4 << 20;
 /// Linux's struct page array: 64 bytes per 4 KiB page, 1/64 of RAM.
 const STRUCT_PAGE_SHARE: u64 = 64;
 
 /// The guest-physical regions a booting Linux touches first, in the order it does: the
 /// kernel's bss and brk (from its end down, as the guest clears it from its start up),
 /// the boot allocator's region at the top of RAM, below the initramfs where that lies at
-/// the top (top down, as it allocates), and the page allocator's first pages above the
+/// the top (top down, as it allocates), the top of every other NUMA node (`numa`: each
+/// node's RAM, as SRAT gives it), where the boot allocator puts that node's own struct
+/// pages, node data and per-CPU areas, and the page allocator's first pages above the
 /// kernel. Regions are 2 MiB aligned and may overlap what the image copies already
 /// populated, which costs next to nothing; parts in the MMIO hole are skipped.
-pub fn boot_regions(ram: u64, kernel: &Range<u64>, initrd: Option<&Range<u64>>) -> Vec<Populate> {
+pub fn boot_regions(numa: &[u64], kernel: &Range<u64>, initrd: Option<&Range<u64>>) -> Vec<Populate> {
     let align_down = |a: u64| a & !(STEP - 1);
     let align_up = |a: u64| a.saturating_add(STEP - 1) & !(STEP - 1);
+    let ram: u64 = numa.iter().sum();
     let ram_end = layout::ram_ranges(ram).last().map_or(0, |&(start, len)| start + len);
     // The initramfs sits at the top of RAM below 2 GiB (where Linux's boot protocol wants
     // it); above that much RAM the boot allocator starts from the real top.
@@ -56,12 +62,29 @@ pub fn boot_regions(ram: u64, kernel: &Range<u64>, initrd: Option<&Range<u64>>) 
     };
     let below = BELOW_INITRD + ram / STRUCT_PAGE_SHARE;
     let kernel_end = align_up(kernel.end);
+    // Where each node's RAM ends (its last range), and how much it has.
+    let mut node_tops: Vec<(u64, u64)> = Vec::new();
+    for (node, start, len) in layout::numa_ranges(numa) {
+        let size = numa.get(node as usize).copied().unwrap_or(0);
+        match node_tops.get_mut(node as usize) {
+            Some(top) => top.0 = start + len,
+            None => node_tops.push((start + len, size)),
+        }
+    }
+    let other_nodes = node_tops.into_iter().filter(|&(end, _)| end != ram_end).map(|(end, size)| Populate {
+        range: align_down(end.saturating_sub(NODE_OWN + size / STRUCT_PAGE_SHARE)).max(kernel_end)..align_down(end),
+        downwards: true,
+    });
     [
         Populate { range: align_down(kernel.start)..kernel_end, downwards: true },
         Populate { range: align_down(top.saturating_sub(below)).max(kernel_end)..align_down(top), downwards: true },
-        Populate { range: kernel_end..align_down(kernel_end.saturating_add(ABOVE_KERNEL)).min(top), downwards: false },
     ]
     .into_iter()
+    .chain(other_nodes)
+    .chain([Populate {
+        range: kernel_end..align_down(kernel_end.saturating_add(ABOVE_KERNEL)).min(top),
+        downwards: false,
+    }])
     .filter(|p| p.range.start < p.range.end)
     .collect()
 }
@@ -161,7 +184,7 @@ mod tests {
         // The Debian 6.1 vmlinux: 16 MiB to 74 MiB with its bss; a 24 MiB initramfs at the top of 1 GiB.
         let kernel = 16 * MIB..0x4a0_d000;
         let initrd = 1000 * MIB..1024 * MIB;
-        let regions = boot_regions(1024 * MIB, &kernel, Some(&initrd));
+        let regions = boot_regions(&[1024 * MIB], &kernel, Some(&initrd));
         assert_eq!(
             regions,
             vec![
@@ -173,10 +196,32 @@ mod tests {
     }
 
     #[test]
+    fn test_every_other_numa_node_gets_its_top_populated() {
+        // vela-a100's two nodes in 1 GiB: node 0 ends at 512 MiB, where its own struct pages
+        // (8 MiB) and node data go; node 1's top is RAM's, below the initramfs.
+        let kernel = 16 * MIB..0x4a0_d000;
+        let initrd = 1000 * MIB..1024 * MIB;
+        let regions = boot_regions(&[512 * MIB, 512 * MIB], &kernel, Some(&initrd));
+        assert_eq!(
+            regions,
+            vec![
+                Populate { range: 16 * MIB..76 * MIB, downwards: true },
+                Populate { range: 968 * MIB..1000 * MIB, downwards: true },
+                Populate { range: 500 * MIB..512 * MIB, downwards: true },
+                Populate { range: 76 * MIB..140 * MIB, downwards: false },
+            ]
+        );
+        // Above the hole, a node's top is where its last range ends: node 0 has 3 GiB below
+        // the hole and 1 GiB above it, and 4 MiB and 64 MiB of struct pages under 5 GiB.
+        let regions = boot_regions(&[4096 * MIB, 4096 * MIB], &(16 * MIB..76 * MIB), None);
+        assert!(regions.contains(&Populate { range: 5052 * MIB..5120 * MIB, downwards: true }), "{regions:?}");
+    }
+
+    #[test]
     fn test_small_ram_keeps_regions_apart_and_inside_it() {
         // 128 MiB, no initramfs: the region below the top (16 MiB and 2 MiB of struct pages)
         // and the one above the kernel both stop at the top of RAM.
-        let regions = boot_regions(128 * MIB, &(16 * MIB..100 * MIB), None);
+        let regions = boot_regions(&[128 * MIB], &(16 * MIB..100 * MIB), None);
         assert_eq!(
             regions,
             vec![
@@ -193,7 +238,7 @@ mod tests {
         // boot allocator's region (16 MiB and 128 MiB of struct pages) is under 9 GiB.
         let kernel = 16 * MIB..76 * MIB;
         let initrd = 2024 * MIB..2048 * MIB;
-        let regions = boot_regions(8192 * MIB, &kernel, Some(&initrd));
+        let regions = boot_regions(&[8192 * MIB], &kernel, Some(&initrd));
         assert_eq!(regions[1], Populate { range: 9072 * MIB..9216 * MIB, downwards: true });
     }
 
