@@ -16,6 +16,9 @@ use gdrvm_model::symbols::SymbolMap;
 /// Whether shared memory (memfds) may be backed by transparent huge pages.
 const SHMEM_THP: &str = "/sys/kernel/mm/transparent_hugepage/shmem_enabled";
 
+/// Whether new processes get randomized addresses.
+const RANDOMIZE_VA_SPACE: &str = "/proc/sys/kernel/randomize_va_space";
+
 /// Exit status of L1 when it could not run its jobs.
 const CANNOT_TEST: u8 = 125;
 
@@ -66,6 +69,13 @@ pub fn run() -> u8 {
     // them by default: each nested page fault is a costly exit.
     if let Err(e) = std::fs::write(SHMEM_THP, "advise") {
         println!("# gdrvm-l1: cannot enable huge pages for guest RAM ({SHMEM_THP}): {e}");
+    }
+    // Every job's processes at the addresses of the job before: QEMU 7.2's TCG, which runs
+    // L1, keys its translated code by virtual address (x86 has no PC-relative blocks before
+    // QEMU 8.0), so a randomized process (gdrvm is static-pie, QEMU a PIE with its
+    // libraries) is translated afresh in every job. L1 is a throwaway test machine.
+    if let Err(e) = std::fs::write(RANDOMIZE_VA_SPACE, "0") {
+        println!("# gdrvm-l1: cannot turn address-space randomization off ({RANDOMIZE_VA_SPACE}): {e}");
     }
     println!("{MARKER}ready");
     for (i, job) in jobs.jobs.iter().enumerate() {
