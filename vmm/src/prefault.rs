@@ -62,18 +62,17 @@ pub fn boot_regions(numa: &[u64], kernel: &Range<u64>, initrd: Option<&Range<u64
     };
     let below = BELOW_INITRD + ram / STRUCT_PAGE_SHARE;
     let kernel_end = align_up(kernel.end);
-    // Where each node's RAM ends (its last range), and how much it has.
-    let mut node_tops: Vec<(u64, u64)> = Vec::new();
+    // Where each node's RAM ends (its last range); a node without RAM has no end.
+    let mut node_ends = vec![None; numa.len()];
     for (node, start, len) in layout::numa_ranges(numa) {
-        let size = numa.get(node as usize).copied().unwrap_or(0);
-        match node_tops.get_mut(node as usize) {
-            Some(top) => top.0 = start + len,
-            None => node_tops.push((start + len, size)),
+        if let Some(end) = node_ends.get_mut(node as usize) {
+            *end = Some(start + len);
         }
     }
-    let other_nodes = node_tops.into_iter().filter(|&(end, _)| end != ram_end).map(|(end, size)| Populate {
-        range: align_down(end.saturating_sub(NODE_OWN + size / STRUCT_PAGE_SHARE)).max(kernel_end)..align_down(end),
-        downwards: true,
+    let other_nodes = node_ends.into_iter().zip(numa).filter_map(|(end, &size)| {
+        let end = end.filter(|&end| end != ram_end)?;
+        let start = align_down(end.saturating_sub(NODE_OWN + size / STRUCT_PAGE_SHARE)).max(kernel_end);
+        Some(Populate { range: start..align_down(end), downwards: true })
     });
     [
         Populate { range: align_down(kernel.start)..kernel_end, downwards: true },
@@ -215,6 +214,10 @@ mod tests {
         // the hole and 1 GiB above it, and 4 MiB and 64 MiB of struct pages under 5 GiB.
         let regions = boot_regions(&[4096 * MIB, 4096 * MIB], &(16 * MIB..76 * MIB), None);
         assert!(regions.contains(&Populate { range: 5052 * MIB..5120 * MIB, downwards: true }), "{regions:?}");
+        // A node without RAM (CPUs or devices only) takes nothing; the nodes around it keep theirs.
+        let regions = boot_regions(&[512 * MIB, 0, 512 * MIB], &kernel, Some(&initrd));
+        assert_eq!(regions[2], Populate { range: 500 * MIB..512 * MIB, downwards: true });
+        assert_eq!(regions.len(), 4, "{regions:?}");
     }
 
     #[test]
