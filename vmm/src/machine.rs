@@ -237,11 +237,9 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
     phases.mark("vCPUs");
     let pins = cpus.iter().map(|place| placement.cpus(place.socket).map(<[usize]>::to_vec)).collect();
     let mut threads = VcpuThreads::start(vcpus, pins, &ctx)?;
-    // Each guest NUMA node's RAM, for where its boot allocations go.
-    let node_memory: Vec<u64> = match config.node.numa.as_slice() {
-        [] => vec![config.memory],
-        nodes => nodes.iter().map(|n| n.memory).collect(),
-    };
+    // Each guest NUMA node's RAM (they add up to `config.memory`: `validate` checked), for
+    // where its boot allocations go.
+    let node_memory: Vec<u64> = config.node.numa.iter().map(|n| n.memory).collect();
     // Started once the vCPUs are: each populating step holds the address space's lock,
     // which creating a vCPU or a thread needs for writing. Joined before guest RAM goes
     // (declared after it, dropped before it).
