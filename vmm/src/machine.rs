@@ -201,8 +201,9 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
         let copies = boot::start_copies(s, &ram.memory, config, initrd);
         let (kvm_sys, vm) = create_vm()?;
         let irq = interrupt_routing(&vm)?;
-        register_memory(&vm, &ram.memory)?;
         phases.mark("VM creation");
+        register_memory(&vm, &ram.memory)?;
+        phases.mark("guest memory registered");
 
         let mut supported_cpuid =
             kvm_sys.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(kvm("read the supported CPUID"))?;
@@ -210,8 +211,7 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
         check_address_bits(&supported_cpuid, &config.node)?;
         let mmio = Arc::new(Bus::new("mmio"));
         // Dropped when `run` returns, whatever the path: BARs leave the guest, devices reset.
-        let devices = wire_devices(config, emulators, &vm, &mmio, &irq, &ram)?;
-        phases.mark("devices");
+        let devices = wire_devices(config, emulators, &vm, &mmio, &irq, &ram, &mut phases)?;
         let loaded = load_guest(&ram.memory, config, &cpus, copies, &mut phases)?;
         Ok::<_, VmmError>((kvm_sys, vm, irq, supported_cpuid, mmio, devices, loaded))
     })?;
@@ -401,6 +401,7 @@ fn wire_devices(
     mmio: &Arc<Bus>,
     irq: &Arc<GsiRouter>,
     ram: &memory::GuestRam,
+    phases: &mut SetupPhases,
 ) -> Result<Arc<wiring::DeviceWiring>, VmmError> {
     let parts = wiring::MachineParts { memory: vm.clone(), mmio: mmio.clone(), irq: irq.clone() };
     // One handle on the memfd for every DMA target in another process.
@@ -426,12 +427,15 @@ fn wire_devices(
     let sink: Arc<dyn crate::pci::ApplyEffects> = devices.clone();
     pci.set_effects(Arc::downgrade(&sink));
     mmio.insert(Arc::new(Mutex::new(Ecam(pci.clone()))), layout::ECAM_BASE, layout::ECAM_SIZE)?;
+    phases.mark("devices");
     if vm.check_extension(Cap::ReadonlyMem) {
         devices.map_config_images(&pci, layout::ECAM_BASE);
     } else {
         tracing::warn!("KVM has no read-only memory slots: every configuration read exits");
     }
+    phases.mark("configuration images mapped");
     devices.start(&pci);
+    phases.mark("devices started");
     Ok(devices)
 }
 

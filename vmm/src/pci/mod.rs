@@ -110,6 +110,7 @@ impl PciSegment {
 
     /// Reads configuration space; an absent function reads as all-ones (no vendor).
     pub fn read(&self, bus: u8, devfn: u8, offset: usize, data: &mut [u8]) {
+        tracing::trace!(bus, devfn, offset, len = data.len(), "configuration read");
         match self.find(bus, devfn) {
             Some((_, f)) => lock(f).read(offset, data),
             None => data.fill(0xff),
