@@ -16,7 +16,7 @@ use crate::ktap::{Check, Verdict};
 /// Prefix of the diagnostic lines that carry the profile.
 pub const LINE_PREFIX: &str = "profile| ";
 /// How many of the slowest initcalls are listed.
-const TOP_INITCALLS: usize = 20;
+const TOP_INITCALLS: usize = 40;
 /// How many of the longest silences are listed.
 const TOP_GAPS: usize = 8;
 /// How many interrupt sources are listed.
