@@ -79,16 +79,25 @@ fn median_interval(mut v: Vec<f64>) -> Option<(f64, f64, f64)> {
 /// n/a when fewer than [`MIN_SAMPLES`] runs gave a figure. Figures are in seconds unless
 /// `what` names its unit (`MB/s`, a ratio).
 fn print_median(what: &str, times: &[f64], runs: usize) -> Option<f64> {
-    let unit = if what.contains("MB/s") || what.contains("Gb/s") || what.contains(" / ") { "" } else { " s" };
+    let count = what.contains("exits to");
+    let unit = if count || what.contains("MB/s") || what.contains("Gb/s") || what.contains(" / ") { "" } else { " s" };
     let m = median(times.to_vec()).filter(|_| times.len() >= MIN_SAMPLES);
     let lost = runs - times.len().min(runs);
     println!(
         "xtask: bench: {what}: median {} over {} of {runs} runs ({}){}",
-        m.map_or(format!("n/a (fewer than {MIN_SAMPLES} samples)"), |m| format!("{m:.4}{unit}")),
+        m.map_or(format!("n/a (fewer than {MIN_SAMPLES} samples)"), |m| if count {
+            format!("{m:.0}")
+        } else {
+            format!("{m:.4}{unit}")
+        }),
         times.len(),
         times
             .iter()
-            .map(|t| if unit.is_empty() { format!("{t:.3}") } else { format!("{t:.2}") })
+            .map(|t| match (count, unit.is_empty()) {
+                (true, _) => format!("{t:.0}"),
+                (false, true) => format!("{t:.3}"),
+                (false, false) => format!("{t:.2}"),
+            })
             .collect::<Vec<_>>()
             .join(", "),
         if lost > 0 { format!("; {lost} sample(s) lost") } else { String::new() }
@@ -144,6 +153,22 @@ fn print_l1_incidents(results: &[VmResult]) {
         for i in &r.l1_incidents {
             println!("xtask: bench: {}: {}", r.name, i.summary());
         }
+    }
+}
+
+/// Says why each run that never reached the agent gave no time: how it ended, and the
+/// last lines it printed.
+fn print_lost_runs(results: &[VmResult]) {
+    for r in results.iter().filter(|r| r.time_to_ktap.is_none()) {
+        let tail: Vec<&str> = r.console.iter().rev().take(3).rev().map(String::as_str).collect();
+        println!(
+            "xtask: bench: {}: no time to the agent: {:?}{}{}; last lines: {}",
+            r.name,
+            r.outcome,
+            if r.panicked { ", the guest panicked" } else { "" },
+            if r.emulator_losses > 0 { format!(", {} earlier run(s) lost", r.emulator_losses) } else { String::new() },
+            if tail.is_empty() { "none".into() } else { tail.join(" | ") }
+        );
     }
 }
 
@@ -255,14 +280,7 @@ fn print_exit_sites(name: &str, mine: &[&VmResult]) {
     let mut by_site: BTreeMap<(&str, &str), u64> = BTreeMap::new();
     for r in &reasons {
         for (reason, place, n) in r.sites() {
-            let addr = place.strip_prefix("0x").and_then(|a| u64::from_str_radix(a, 16).ok());
-            let place = match addr {
-                Some(a) if a < 1 << 20 => "below 1 MiB (real-mode firmware)",
-                Some(a) if a < 1 << 32 => "below 4 GiB (firmware, or a non-PIE user program)",
-                Some(a) if a < KERNEL_MAP => "user space",
-                _ => place,
-            };
-            *by_site.entry((reason, place)).or_insert(0) += n;
+            *by_site.entry((reason, site_place(place))).or_insert(0) += n;
         }
     }
     if by_site.is_empty() {
@@ -273,6 +291,17 @@ fn print_exit_sites(name: &str, mine: &[&VmResult]) {
     println!("xtask: bench: {name:<16} exit sites (mean over {} runs; exits, reason, guest function):", reasons.len());
     for ((reason, place), n) in sites.iter().take(TOP_SITES) {
         println!("xtask: bench:   {:>7.0} {reason:<18} {place}", *n as f64 / reasons.len() as f64);
+    }
+}
+
+/// An exit site's place as printed: the guest function L1 named, or for an address L1 could
+/// not name, the kind of code its range holds.
+fn site_place(place: &str) -> &str {
+    match place.strip_prefix("0x").and_then(|a| u64::from_str_radix(a, 16).ok()) {
+        Some(a) if a < 1 << 20 => "below 1 MiB (real-mode firmware)",
+        Some(a) if a < 1 << 32 => "below 4 GiB (firmware, or a non-PIE user program)",
+        Some(a) if a < KERNEL_MAP => "user space",
+        _ => place,
     }
 }
 
@@ -332,6 +361,7 @@ pub async fn boot(runner: &Runner, rounds: usize, profile: bool) -> Result<()> {
         print_exit_sites(name, &mine);
     }
     print_l1_incidents(&results);
+    print_lost_runs(&results);
     print_ratio("time", &figures, |f| f.time, &format!("<= {TIME_TARGET}, goal 0.5"));
     print_ratio("exits", &figures, |f| f.exits, &format!("<= {EXITS_TARGET}"));
     let fastest = figures[1..].iter().filter_map(|f| Some((f.name, f.time?))).min_by(|a, b| a.1.total_cmp(&b.1));
@@ -340,7 +370,7 @@ pub async fn boot(runner: &Runner, rounds: usize, profile: bool) -> Result<()> {
     }
     print_gdrvm_stats(results.iter().filter(|r| r.name.starts_with("gdrvm #")).collect());
     if profile {
-        print_profiles(&results);
+        print_profiles(&results, &CONTENDERS.map(|(name, _)| name));
     }
     Ok(())
 }
@@ -392,14 +422,50 @@ fn profile_lines(r: &VmResult) -> Vec<Vec<String>> {
         .collect()
 }
 
-/// Prints the profile runs side by side: milestones, initcall totals, the slowest
-/// initcalls of any VMM with each VMM's time for them, and each VMM's longest silences.
-fn print_profiles(results: &[VmResult]) {
-    let runs: Vec<(&str, Vec<Vec<String>>)> = CONTENDERS
+/// The profile lines of several runs of one guest as one: each figure (milestone, initcall,
+/// interrupt count, totals) the median over the runs that reported it, the rest (silences,
+/// CPU flags) as the first run has them.
+fn merged_profile(runs: &[Vec<Vec<String>>]) -> Vec<Vec<String>> {
+    const FIGURES: [&str; 4] = ["milestone", "initcall", "initcalls", "interrupts"];
+    let mut merged: Vec<Vec<String>> = Vec::new();
+    let mut values: Vec<Vec<f64>> = Vec::new();
+    for w in runs.iter().flatten().filter(|w| w.len() > 2 && FIGURES.contains(&w[0].as_str())) {
+        let Ok(v) = w[1].parse::<f64>() else { continue };
+        match merged.iter().position(|m| m[0] == w[0] && m[2..] == w[2..]) {
+            Some(i) => values[i].push(v),
+            None => {
+                merged.push(w.clone());
+                values.push(vec![v]);
+            }
+        }
+    }
+    for (m, v) in merged.iter_mut().zip(values) {
+        let integer = !m[1].contains('.');
+        let med = median(v).unwrap_or(0.0);
+        m[1] = if integer { format!("{med:.0}") } else { format!("{med:.3}") };
+    }
+    if let Some(first) = runs.first() {
+        merged.extend(first.iter().filter(|w| !w.is_empty() && !FIGURES.contains(&w[0].as_str())).cloned());
+    }
+    merged
+}
+
+/// Prints the profile runs of each of `labels` side by side (runs named `LABEL profile`, or
+/// `LABEL profile #N` for several, merged by [`merged_profile`]): milestones, initcall
+/// totals, the slowest initcalls of any with each one's time for them, and each one's
+/// longest silences.
+fn print_profiles(results: &[VmResult], labels: &[&str]) {
+    let runs: Vec<(&str, Vec<Vec<String>>)> = labels
         .iter()
-        .filter_map(|(name, _)| {
-            let r = results.iter().find(|r| r.name == format!("{name} profile"))?;
-            Some((*name, profile_lines(r)))
+        .filter_map(|label| {
+            let name = format!("{label} profile");
+            let mine: Vec<Vec<Vec<String>>> = results
+                .iter()
+                .filter(|r| r.name == name || r.name.starts_with(&format!("{name} #")))
+                .map(profile_lines)
+                .filter(|l| !l.is_empty())
+                .collect();
+            (!mine.is_empty()).then(|| (*label, merged_profile(&mine)))
         })
         .collect();
     if runs.iter().all(|(_, lines)| lines.is_empty()) {
@@ -444,7 +510,7 @@ fn print_profiles(results: &[VmResult]) {
         |f: &String| runs.iter().filter_map(|(_, l)| value(l, "initcall", f)?.parse::<u64>().ok()).max().unwrap_or(0);
     calls.sort_by_key(|f| std::cmp::Reverse(slowest(f)));
     println!("xtask: bench: profile: slowest initcalls (µs){header}");
-    for f in calls.iter().take(20) {
+    for f in calls.iter().take(30) {
         let row: String =
             runs.iter().map(|(_, l)| format!("{:>16}", value(l, "initcall", f).unwrap_or("-".into()))).collect();
         println!("xtask: bench: profile:   {:<36}{row}", f.chars().take(36).collect::<String>());
@@ -501,7 +567,10 @@ const NODES: [&str; 2] = ["vela-a100", "minimal"];
 /// the target is for; and the nodes as their presets have them, with their emulators
 /// (ten endpoints against two), for what a user waits for. The emulators' own cost is
 /// `bench p2p`'s.
-pub async fn topology(runner: &Runner, rounds: usize) -> Result<()> {
+///
+/// With `profile`, also [`PROFILE_ROUNDS`] runs of each hollow node with initcall timing,
+/// and where each one's boot went, side by side (medians over those runs).
+pub async fn topology(runner: &Runner, rounds: usize, profile: bool) -> Result<()> {
     println!(
         "xtask: bench topology: {rounds} rounds of {NODES:?}, hollow and as preset, order reversed every other \
          round, {:?} runner",
@@ -513,10 +582,101 @@ pub async fn topology(runner: &Runner, rounds: usize) -> Result<()> {
     }
     nodes.extend(NODES.map(|name| (name.to_owned(), name.to_owned())));
     let labelled: Vec<(&str, String)> = nodes.iter().map(|(l, n)| (l.as_str(), n.clone())).collect();
-    let times = time_to_agent(runner, rounds, &labelled).await?;
+    let profiled = if profile { &labelled[..2] } else { &[] };
+    let (times, results) = time_to_agent(runner, rounds, &labelled, profiled).await?;
     times.print_ratio("ratio vela-a100 / minimal, hollow (the tree; target <= 1.10)", 0, 1, Some(1.10));
     times.print_ratio("ratio vela-a100 / minimal, as preset (tree and emulators)", 2, 3, None);
+    print_tree_cost(&results, &nodes[0].0, &nodes[1].0);
+    if profile {
+        print_profiles(&results, &[&nodes[0].0, &nodes[1].0]);
+    }
     Ok(())
+}
+
+/// How many profile runs of each node `bench topology --profile` adds (their initcall
+/// times spread by tens of percent from one run to the next).
+const PROFILE_ROUNDS: usize = 3;
+
+/// How many exit sites `bench topology` lists where the bigger tree exits more.
+const TOP_TREE_SITES: usize = 12;
+
+/// Where the bigger tree's time goes, from the runs labelled `big` and `small` (the hollow
+/// pair): KVM's exits to the agent and their paired ratio (a count, not noisy as a time
+/// is), gdrvm's setup and the exits it served, and the guest code whose exits grew most.
+fn print_tree_cost(results: &[VmResult], big: &str, small: &str) {
+    let of = |label: &str| -> Vec<&VmResult> {
+        results.iter().filter(|r| r.name.starts_with(&format!("{label} #"))).collect()
+    };
+    let (b, s) = (of(big), of(small));
+    let exits = |r: &VmResult| r.kvm_exits.as_ref()?.total().map(|t| t as f64);
+    for (label, runs) in [(big, &b), (small, &s)] {
+        let totals: Vec<f64> = runs.iter().filter_map(|r| exits(r)).collect();
+        print_median(&format!("{label:<18} exits to agent"), &totals, runs.len());
+        let setup: Vec<f64> =
+            runs.iter().filter_map(|r| r.stats.as_ref()?.setup_us).map(|us| us as f64 / 1000.0).collect();
+        let served: Vec<f64> = runs.iter().filter_map(|r| r.stats.as_ref()).map(|s| s.vmm_exits as f64).collect();
+        println!(
+            "xtask: bench: {label:<18} setup median {} ({}), exits served by gdrvm to power-off median {}",
+            median(setup.clone()).map_or("n/a".into(), |m| format!("{m:.0} ms")),
+            setup.iter().map(|ms| format!("{ms:.0}")).collect::<Vec<_>>().join(", "),
+            median(served).map_or("n/a".into(), |m| format!("{m:.0}"))
+        );
+        print_exit_reasons(label, runs);
+    }
+    let phases = |runs: &[&VmResult]| -> Vec<(String, f64)> {
+        let stats: Vec<&GdrvmStats> = runs.iter().filter_map(|r| r.stats.as_ref()).collect();
+        let mut names: Vec<&str> = Vec::new();
+        for (name, _) in stats.iter().flat_map(|s| &s.phases) {
+            if !names.contains(&name.as_str()) {
+                names.push(name);
+            }
+        }
+        names
+            .into_iter()
+            .filter_map(|name| {
+                let ms = stats.iter().flat_map(|s| &s.phases).filter(|p| p.0 == name).map(|p| p.1 as f64 / 1000.0);
+                Some((name.to_owned(), median(ms.collect())?))
+            })
+            .collect()
+    };
+    let (pb, ps) = (phases(&b), phases(&s));
+    println!("xtask: bench: setup phases, median ms: {big} / {small}");
+    for (name, ms) in &pb {
+        let other = ps.iter().find(|p| &p.0 == name).map_or("-".into(), |p| format!("{:.1}", p.1));
+        println!("xtask: bench:   {name:<44} {ms:>8.1} {other:>8}");
+    }
+    let paired: Vec<f64> = b
+        .iter()
+        .filter_map(|rb| {
+            let round = rb.name.rsplit_once('#')?.1;
+            let rs = s.iter().find(|r| r.name.rsplit_once('#').map(|(_, n)| n) == Some(round))?;
+            Some(exits(rb)? / exits(rs)?)
+        })
+        .collect();
+    print_median(&format!("exits ratio {big} / {small}, paired by round"), &paired, b.len());
+    let mean_sites = |runs: &[&VmResult]| -> BTreeMap<(String, String), f64> {
+        let reasons: Vec<&ExitReasons> = runs.iter().filter_map(|r| r.exit_reasons.as_ref()).collect();
+        let mut sites = BTreeMap::new();
+        for r in &reasons {
+            for (reason, place, n) in r.sites() {
+                let key = (reason.to_owned(), site_place(place).to_owned());
+                *sites.entry(key).or_insert(0.0) += n as f64 / reasons.len() as f64;
+            }
+        }
+        sites
+    };
+    let (sb, ss) = (mean_sites(&b), mean_sites(&s));
+    let mut grown: Vec<(&(String, String), f64)> =
+        sb.iter().map(|(k, n)| (k, n - ss.get(k).copied().unwrap_or(0.0))).filter(|(_, d)| *d >= 1.0).collect();
+    if grown.is_empty() {
+        return;
+    }
+    grown.sort_by(|x, y| y.1.total_cmp(&x.1));
+    let total: f64 = grown.iter().map(|(_, d)| d).sum();
+    println!("xtask: bench: exit sites where {big} exits more than {small} (means; {total:.0} more in all):");
+    for ((reason, place), d) in grown.iter().take(TOP_TREE_SITES) {
+        println!("xtask: bench:   {d:>+7.0} {reason:<18} {place}");
+    }
 }
 
 /// Times to the agent: for each node booted, in the order asked, its time in each round
@@ -543,32 +703,44 @@ impl AgentTimes {
 
 /// Boots the agent with no suite on each of `nodes` (label, preset or file) in each of
 /// `rounds` rounds (2 vCPUs, 1 GiB), in the order given in even rounds and the reverse in
-/// odd ones, so that no node always follows the same one; prints each node's median time
-/// to the agent and returns every time.
-async fn time_to_agent(runner: &Runner, rounds: usize, nodes: &[(&str, String)]) -> Result<AgentTimes> {
+/// odd ones, so that no node always follows the same one; then [`PROFILE_ROUNDS`] profile
+/// runs (`LABEL profile #N`) of each of `profiled`, alternating. Prints each node's median
+/// time to the agent and returns every time, and every run's result.
+async fn time_to_agent(
+    runner: &Runner,
+    rounds: usize,
+    nodes: &[(&str, String)],
+    profiled: &[(&str, String)],
+) -> Result<(AgentTimes, Vec<VmResult>)> {
     if rounds < 1 {
         bail!("--rounds must be at least 1");
     }
     let name = |label: &str, round: usize| format!("{label} #{round}");
-    let specs: Vec<VmSpec> = (0..rounds)
+    let spec = |name: String, node: &str, cmdline: &str| VmSpec {
+        name,
+        vmm: Vmm::Gdrvm,
+        image: runner.artifacts.guest.clone(),
+        node: Some(node.to_owned()),
+        cluster: None,
+        cmdline: cmdline.into(),
+        cpus: 2,
+        memory: "1G".into(),
+        timeout: Duration::from_secs(180),
+    };
+    let mut specs: Vec<VmSpec> = (0..rounds)
         .flat_map(|round| {
             let mut order: Vec<&(&str, String)> = nodes.iter().collect();
             if round % 2 == 1 {
                 order.reverse();
             }
-            order.into_iter().map(move |(label, node)| VmSpec {
-                name: name(label, round),
-                vmm: Vmm::Gdrvm,
-                image: runner.artifacts.guest.clone(),
-                node: Some(node.clone()),
-                cluster: None,
-                cmdline: "console=ttyS0 quiet panic=-1 gdrvm.suites=".into(),
-                cpus: 2,
-                memory: "1G".into(),
-                timeout: Duration::from_secs(180),
-            })
+            order.into_iter().map(move |(label, node)| spec(name(label, round), node, BOOT_CMDLINE))
         })
         .collect();
+    for round in 0..PROFILE_ROUNDS {
+        for (label, node) in profiled {
+            specs.push(spec(format!("{label} profile #{round}"), node, PROFILE_CMDLINE));
+        }
+    }
     let results = runner.run(&specs).await?;
     let mut times = Vec::new();
     for (label, _) in nodes {
@@ -583,7 +755,8 @@ async fn time_to_agent(runner: &Runner, rounds: usize, nodes: &[(&str, String)])
         times.push(mine);
     }
     print_l1_incidents(&results);
-    Ok(AgentTimes(times))
+    print_lost_runs(&results);
+    Ok((AgentTimes(times), results))
 }
 
 /// The two ways `bench vfio` reaches ivshmem's BAR, in the order each round runs them.
@@ -690,7 +863,7 @@ pub async fn p2p(runner: &Runner, rounds: usize) -> Result<()> {
         runner.kind
     );
     let nodes = [("vela-a100 emulated", "vela-a100".to_owned()), ("vela-a100 hollow", hollow)];
-    time_to_agent(runner, rounds, &nodes).await?.print_ratio(
+    time_to_agent(runner, rounds, &nodes, &[]).await?.0.print_ratio(
         "ratio emulated / hollow (target <= 1.15)",
         0,
         1,
@@ -807,5 +980,38 @@ mod tests {
         // 20: P(B <= 5) = 21700/2^20, twice that is 4.1%: the 6th.
         assert_eq!(median_interval(samples(20)).map(|(l, h, _)| (l, h)), Some((6.0, 15.0)));
         assert_eq!(median_interval(Vec::new()), None);
+    }
+
+    #[test]
+    fn test_merged_profile_takes_each_figures_median_and_the_first_runs_other_lines() {
+        let words = |lines: &[&str]| -> Vec<Vec<String>> {
+            lines.iter().map(|l| l.split(' ').map(str::to_owned).collect()).collect()
+        };
+        let runs = [
+            words(&["milestone 0.500 ACPI up", "initcall 200000 acpi_init", "gap 0.2 0.9 first", "interrupts 600 LOC"]),
+            words(&[
+                "milestone 0.700 ACPI up",
+                "initcall 100000 acpi_init",
+                "gap 0.3 1.0 second",
+                "interrupts 700 LOC",
+            ]),
+            words(&["milestone 0.600 ACPI up", "initcall 150000 acpi_init", "initcall 9000 pci_arch_init"]),
+        ];
+        let merged = merged_profile(&runs);
+        let line = |l: &[String]| l.join(" ");
+        let lines: Vec<String> = merged.iter().map(|l| line(l)).collect();
+        assert_eq!(
+            lines,
+            [
+                "milestone 0.600 ACPI up",
+                "initcall 150000 acpi_init",
+                "interrupts 650 LOC",
+                "initcall 9000 pci_arch_init",
+                "gap 0.2 0.9 first",
+            ],
+            "medians (fractions keep three places, counts none), a figure one run reported as it is, \
+             silences from the first run only"
+        );
+        assert!(merged_profile(&[]).is_empty());
     }
 }

@@ -351,6 +351,10 @@ enum BenchCmd {
         /// interval leaves out the extreme round at each end).
         #[arg(long, default_value_t = 9)]
         rounds: usize,
+        /// Also boot each hollow node three times with initcall timing and show where the
+        /// boots went, side by side.
+        #[arg(long)]
+        profile: bool,
         /// Where VMs run.
         #[arg(long, value_enum, default_value = "auto")]
         runner: RunnerArg,
@@ -437,7 +441,9 @@ fn main() -> ExitCode {
         Cmd::Bench { what: BenchCmd::Boot { rounds, profile, runner: arg, l1 } } => {
             bench_boot(rounds, profile, arg, l1.config())
         }
-        Cmd::Bench { what: BenchCmd::Topology { rounds, runner: arg, l1 } } => bench_topology(rounds, arg, l1.config()),
+        Cmd::Bench { what: BenchCmd::Topology { rounds, profile, runner: arg, l1 } } => {
+            bench_topology(rounds, profile, arg, l1.config())
+        }
         Cmd::Bench { what: BenchCmd::Ecam } => bench::ecam().map(|_| exit::PASS),
         Cmd::Bench { what: BenchCmd::Vfio { rounds } } => bench_vfio(rounds),
         Cmd::Bench { what: BenchCmd::P2p { rounds, runner: arg } } => bench_p2p(rounds, arg),
@@ -831,12 +837,12 @@ fn bench_net(rounds: usize, arg: RunnerArg) -> Result<i32> {
     })
 }
 
-fn bench_topology(rounds: usize, arg: RunnerArg, l1: L1Config) -> Result<i32> {
+fn bench_topology(rounds: usize, profile: bool, arg: RunnerArg, l1: L1Config) -> Result<i32> {
     let artifacts = build::artifacts()?;
     run_interruptible(async {
         let mut runner = runner(artifacts, arg, false).await?;
         runner.l1 = l1;
-        bench::topology(&runner, rounds).await?;
+        bench::topology(&runner, rounds, profile).await?;
         Ok(exit::PASS)
     })
 }
