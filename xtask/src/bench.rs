@@ -156,17 +156,19 @@ fn print_l1_incidents(results: &[VmResult]) {
     }
 }
 
-/// Says why each run that never reached the agent gave no time: how it ended, and the
-/// last lines it printed.
+/// Says why each run that never reached the agent gave no time: how it ended, the first
+/// line that mentions KTAP (the time is taken at an exact `KTAP version 1` line, so a
+/// header cut or run into another line gives none) and the last lines it printed.
 fn print_lost_runs(results: &[VmResult]) {
     for r in results.iter().filter(|r| r.time_to_ktap.is_none()) {
         let tail: Vec<&str> = r.console.iter().rev().take(3).rev().map(String::as_str).collect();
         println!(
-            "xtask: bench: {}: no time to the agent: {:?}{}{}; last lines: {}",
+            "xtask: bench: {}: no time to the agent: {:?}{}{}; first KTAP line: {:?}; last lines: {}",
             r.name,
             r.outcome,
             if r.panicked { ", the guest panicked" } else { "" },
             if r.emulator_losses > 0 { format!(", {} earlier run(s) lost", r.emulator_losses) } else { String::new() },
+            r.console.iter().find(|l| l.contains("KTAP")).map_or("none", String::as_str),
             if tail.is_empty() { "none".into() } else { tail.join(" | ") }
         );
     }
