@@ -213,7 +213,7 @@ pub fn run(config: &VmConfig, console: ConsoleOptions, started: Instant) -> Resu
         // memory). Not earlier: their page faults hold the address space's lock for reading
         // (nested, 2 MiB is cleared under it), and creating the VM and wiring the devices
         // take it for writing (mappings, heap growth) each time; measured nested on
-        // vela-a100, wiring took 114 ms beside the copies and 7 ms before them.
+        // vela-a100, wiring took 114 ms beside the copies and 5-10 ms before them.
         let copies = boot::start_copies(s, &ram.memory, config, initrd);
         let loaded = load_guest(&ram.memory, config, &cpus, copies, &mut phases)?;
         Ok::<_, VmmError>((kvm_sys, vm, irq, supported_cpuid, mmio, devices, loaded))
@@ -396,7 +396,8 @@ fn check_address_bits(cpuid: &CpuId, node: &Node) -> Result<(), VmmError> {
 /// The devices behind the node's functions, and the PCI segment that reaches them on the
 /// MMIO bus as ECAM, with its configuration images mapped where KVM can. BARs of functions
 /// with nothing behind them stay unbacked (they read as all-ones); the others are placed
-/// as the guest programs them, starting where firmware would leave them.
+/// as the guest programs them, starting where firmware would leave them. Marks the wiring,
+/// the image mapping and the devices' start in `phases`.
 fn wire_devices(
     config: &VmConfig,
     emulators: wiring::Prestarted,
