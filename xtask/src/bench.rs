@@ -140,11 +140,16 @@ fn print_paired_ratios(results: &[VmResult], rounds: usize, qemu: &str) {
             .collect()
     };
     let time = |r: &VmResult| r.time_to_ktap.map(|d| d.as_secs_f64());
-    let exits = |r: &VmResult| r.kvm_exits.as_ref()?.total().map(|t| t as f64);
-    for (what, ratios, target) in [("time", paired(time), TIME_TARGET), ("exits", paired(exits), EXITS_TARGET)] {
+    for (what, ratios, target) in [("time", paired(time), TIME_TARGET), ("exits", paired(exits_to_ktap), EXITS_TARGET)]
+    {
         print_median(&format!("{what} ratio gdrvm / {qemu}, paired by round"), &ratios, rounds);
         print_interval(ratios, target);
     }
+}
+
+/// The exits KVM counted for a run's VM until its first KTAP line.
+fn exits_to_ktap(r: &VmResult) -> Option<f64> {
+    r.kvm_exits.as_ref()?.total().map(|t| t as f64)
 }
 
 /// Prints every L1 failure the runs went through (each cost a restart and a rerun).
@@ -156,21 +161,17 @@ fn print_l1_incidents(results: &[VmResult]) {
     }
 }
 
-/// Says why each run that never reached the agent gave no time: how it ended, the first
-/// line that mentions KTAP (the time is taken at an exact `KTAP version 1` line, so a
-/// header cut or run into another line gives none) and the last lines it printed.
-fn print_lost_runs(results: &[VmResult]) {
-    for r in results.iter().filter(|r| r.time_to_ktap.is_none()) {
-        let tail: Vec<&str> = r.console.iter().rev().take(3).rev().map(String::as_str).collect();
-        println!(
-            "xtask: bench: {}: no time to the agent: {:?}{}{}; first KTAP line: {:?}; last lines: {}",
-            r.name,
-            r.outcome,
-            if r.panicked { ", the guest panicked" } else { "" },
-            if r.emulator_losses > 0 { format!(", {} earlier run(s) lost", r.emulator_losses) } else { String::new() },
-            r.console.iter().find(|l| l.contains("KTAP")).map_or("none", String::as_str),
-            if tail.is_empty() { "none".into() } else { tail.join(" | ") }
-        );
+/// Says why a run gave no time to its first KTAP line: what went wrong, the first line
+/// that mentions KTAP (the time is taken at an exact `KTAP version 1` line, so a header
+/// cut or run into another line gives none) and the console's last lines.
+fn print_no_ktap(r: &VmResult) {
+    let problem = r.problem().unwrap_or_else(|| "no exact `KTAP version 1` line".into());
+    println!("xtask: bench: {} gave no KTAP: {problem}", r.name);
+    if let Some(line) = r.console.iter().find(|l| l.contains("KTAP")) {
+        println!("xtask: bench:   first line mentioning KTAP: {line:?}");
+    }
+    for line in r.tail().iter().rev().take(5).rev() {
+        println!("  | {line}");
     }
 }
 
@@ -213,10 +214,7 @@ struct BootFigures {
 fn boot_figures(name: &'static str, mine: &[&VmResult]) -> BootFigures {
     let times: Vec<f64> = mine.iter().filter_map(|r| r.time_to_ktap.map(|d| d.as_secs_f64())).collect();
     for r in mine.iter().filter(|r| r.time_to_ktap.is_none()) {
-        println!("xtask: bench: {} gave no KTAP: {}", r.name, r.problem().unwrap_or_default());
-        for line in r.tail().iter().rev().take(5).rev() {
-            println!("  | {line}");
-        }
+        print_no_ktap(r);
     }
     let time = print_median(&format!("{name:<16} time to first KTAP line"), &times, mine.len());
     let counted: Vec<&KvmExits> = mine.iter().filter_map(|r| r.kvm_exits.as_ref()).collect();
@@ -278,22 +276,29 @@ const TOP_SITES: usize = 15;
 /// named them, where the guest ran L1's kernel), the mean over its runs. Addresses L1 could
 /// not name are told as firmware or user space by their range.
 fn print_exit_sites(name: &str, mine: &[&VmResult]) {
-    let reasons: Vec<&ExitReasons> = mine.iter().filter_map(|r| r.exit_reasons.as_ref()).collect();
-    let mut by_site: BTreeMap<(&str, &str), u64> = BTreeMap::new();
-    for r in &reasons {
-        for (reason, place, n) in r.sites() {
-            *by_site.entry((reason, site_place(place))).or_insert(0) += n;
-        }
-    }
+    let (runs, by_site) = mean_exit_sites(mine);
     if by_site.is_empty() {
         return;
     }
     let mut sites: Vec<_> = by_site.into_iter().collect();
-    sites.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-    println!("xtask: bench: {name:<16} exit sites (mean over {} runs; exits, reason, guest function):", reasons.len());
+    sites.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    println!("xtask: bench: {name:<16} exit sites (mean over {runs} runs; exits, reason, guest function):");
     for ((reason, place), n) in sites.iter().take(TOP_SITES) {
-        println!("xtask: bench:   {:>7.0} {reason:<18} {place}", *n as f64 / reasons.len() as f64);
+        println!("xtask: bench:   {n:>7.0} {reason:<18} {place}");
     }
+}
+
+/// Each exit site's mean count (reason, and place as [`site_place`] tells it) over the
+/// runs of `mine` that L1's histograms counted, and how many runs those were.
+fn mean_exit_sites<'a>(mine: &[&'a VmResult]) -> (usize, BTreeMap<(&'a str, &'a str), f64>) {
+    let reasons: Vec<&ExitReasons> = mine.iter().filter_map(|r| r.exit_reasons.as_ref()).collect();
+    let mut by_site = BTreeMap::new();
+    for r in &reasons {
+        for (reason, place, n) in r.sites() {
+            *by_site.entry((reason, site_place(place))).or_insert(0.0) += n as f64 / reasons.len() as f64;
+        }
+    }
+    (reasons.len(), by_site)
 }
 
 /// An exit site's place as printed: the guest function L1 named, or for an address L1 could
@@ -363,7 +368,6 @@ pub async fn boot(runner: &Runner, rounds: usize, profile: bool) -> Result<()> {
         print_exit_sites(name, &mine);
     }
     print_l1_incidents(&results);
-    print_lost_runs(&results);
     print_ratio("time", &figures, |f| f.time, &format!("<= {TIME_TARGET}, goal 0.5"));
     print_ratio("exits", &figures, |f| f.exits, &format!("<= {EXITS_TARGET}"));
     let fastest = figures[1..].iter().filter_map(|f| Some((f.name, f.time?))).min_by(|a, b| a.1.total_cmp(&b.1));
@@ -385,17 +389,8 @@ fn print_gdrvm_stats(runs: Vec<&VmResult>) {
         "xtask: bench: gdrvm setup (process start to first KVM_RUN): median {} (target < 10 ms on real KVM)",
         median(setup).map_or("n/a".into(), |m| format!("{m:.1} ms"))
     );
-    let mut phases: Vec<(&str, Vec<f64>)> = Vec::new();
-    for s in &stats {
-        for (name, us) in &s.phases {
-            match phases.iter_mut().find(|p| p.0 == name) {
-                Some(p) => p.1.push(*us as f64 / 1000.0),
-                None => phases.push((name, vec![*us as f64 / 1000.0])),
-            }
-        }
-    }
-    for (name, ms) in phases {
-        println!("xtask: bench:   setup phase {name:<36} median {:.2} ms", median(ms).unwrap_or(0.0));
+    for (name, ms) in phase_medians(&stats) {
+        println!("xtask: bench:   setup phase {name:<36} median {ms:.2} ms");
     }
     let kinds = median_by_kind(stats.iter().flat_map(|s| s.vmm_exit_kinds.iter().map(|(k, n)| (k.as_str(), *n))));
     let served: Vec<f64> = stats.iter().map(|s| s.vmm_exits as f64).collect();
@@ -414,6 +409,20 @@ fn print_gdrvm_stats(runs: Vec<&VmResult>) {
         "xtask: bench: gdrvm RSS beyond guest RAM: median {} (target < 5 MiB)",
         median(rss).map_or("n/a".into(), |m| format!("{m:.1} MiB"))
     );
+}
+
+/// Each setup phase's median in ms over `stats`, in the order the phases ran.
+fn phase_medians<'a>(stats: &[&'a GdrvmStats]) -> Vec<(&'a str, f64)> {
+    let mut phases: Vec<(&str, Vec<f64>)> = Vec::new();
+    for s in stats {
+        for (name, us) in &s.phases {
+            match phases.iter_mut().find(|p| p.0 == name) {
+                Some(p) => p.1.push(*us as f64 / 1000.0),
+                None => phases.push((name, vec![*us as f64 / 1000.0])),
+            }
+        }
+    }
+    phases.into_iter().map(|(name, ms)| (name, median(ms).unwrap_or(0.0))).collect()
 }
 
 /// The `profile| ` diagnostics of one run, as their words.
@@ -619,9 +628,8 @@ fn print_tree_cost(results: &[VmResult], big: &str, small: &str) {
         results.iter().filter(|r| r.name.starts_with(&format!("{label} #"))).collect()
     };
     let (b, s) = (of(big), of(small));
-    let exits = |r: &VmResult| r.kvm_exits.as_ref()?.total().map(|t| t as f64);
     for (label, runs) in [(big, &b), (small, &s)] {
-        let totals: Vec<f64> = runs.iter().filter_map(|r| exits(r)).collect();
+        let totals: Vec<f64> = runs.iter().filter_map(|r| exits_to_ktap(r)).collect();
         print_median(&format!("{label:<18} exits to agent"), &totals, runs.len());
         let setup: Vec<f64> =
             runs.iter().filter_map(|r| r.stats.as_ref()?.setup_us).map(|us| us as f64 / 1000.0).collect();
@@ -634,26 +642,12 @@ fn print_tree_cost(results: &[VmResult], big: &str, small: &str) {
         );
         print_exit_reasons(label, runs);
     }
-    let phases = |runs: &[&VmResult]| -> Vec<(String, f64)> {
-        let stats: Vec<&GdrvmStats> = runs.iter().filter_map(|r| r.stats.as_ref()).collect();
-        let mut names: Vec<&str> = Vec::new();
-        for (name, _) in stats.iter().flat_map(|s| &s.phases) {
-            if !names.contains(&name.as_str()) {
-                names.push(name);
-            }
-        }
-        names
-            .into_iter()
-            .filter_map(|name| {
-                let ms = stats.iter().flat_map(|s| &s.phases).filter(|p| p.0 == name).map(|p| p.1 as f64 / 1000.0);
-                Some((name.to_owned(), median(ms.collect())?))
-            })
-            .collect()
-    };
-    let (pb, ps) = (phases(&b), phases(&s));
+    let (stats_b, stats_s): (Vec<&GdrvmStats>, Vec<&GdrvmStats>) =
+        (b.iter().filter_map(|r| r.stats.as_ref()).collect(), s.iter().filter_map(|r| r.stats.as_ref()).collect());
+    let (pb, ps) = (phase_medians(&stats_b), phase_medians(&stats_s));
     println!("xtask: bench: setup phases, median ms: {big} / {small}");
     for (name, ms) in &pb {
-        let other = ps.iter().find(|p| &p.0 == name).map_or("-".into(), |p| format!("{:.1}", p.1));
+        let other = ps.iter().find(|p| p.0 == *name).map_or("-".into(), |p| format!("{:.1}", p.1));
         println!("xtask: bench:   {name:<44} {ms:>8.1} {other:>8}");
     }
     let paired: Vec<f64> = b
@@ -661,23 +655,12 @@ fn print_tree_cost(results: &[VmResult], big: &str, small: &str) {
         .filter_map(|rb| {
             let round = rb.name.rsplit_once('#')?.1;
             let rs = s.iter().find(|r| r.name.rsplit_once('#').map(|(_, n)| n) == Some(round))?;
-            Some(exits(rb)? / exits(rs)?)
+            Some(exits_to_ktap(rb)? / exits_to_ktap(rs)?)
         })
         .collect();
     print_median(&format!("exits ratio {big} / {small}, paired by round"), &paired, b.len());
-    let mean_sites = |runs: &[&VmResult]| -> BTreeMap<(String, String), f64> {
-        let reasons: Vec<&ExitReasons> = runs.iter().filter_map(|r| r.exit_reasons.as_ref()).collect();
-        let mut sites = BTreeMap::new();
-        for r in &reasons {
-            for (reason, place, n) in r.sites() {
-                let key = (reason.to_owned(), site_place(place).to_owned());
-                *sites.entry(key).or_insert(0.0) += n as f64 / reasons.len() as f64;
-            }
-        }
-        sites
-    };
-    let (sb, ss) = (mean_sites(&b), mean_sites(&s));
-    let mut grown: Vec<(&(String, String), f64)> =
+    let ((_, sb), (_, ss)) = (mean_exit_sites(&b), mean_exit_sites(&s));
+    let mut grown: Vec<(&(&str, &str), f64)> =
         sb.iter().map(|(k, n)| (k, n - ss.get(k).copied().unwrap_or(0.0))).filter(|(_, d)| *d >= 1.0).collect();
     if grown.is_empty() {
         return;
@@ -766,7 +749,7 @@ async fn time_to_agent(
         times.push(mine);
     }
     print_l1_incidents(&results);
-    print_lost_runs(&results);
+    results.iter().filter(|r| r.time_to_ktap.is_none()).for_each(print_no_ktap);
     Ok((AgentTimes(times), results))
 }
 
