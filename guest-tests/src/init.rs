@@ -12,7 +12,7 @@ use crate::{ktap, modalias, suites, sys};
 /// What the kernel command line asks of the agent.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InitOptions {
-    /// Suites to run (`gdrvm.suites=a,b`); `smoke` when not given.
+    /// Suites to run (`gdrvm.suites=a,b`); [`gdrvm_model::DEFAULT_SUITES`] when not given.
     pub suites: Vec<String>,
     /// Start a shell on the console instead of running suites (`gdrvm.shell`).
     pub shell: bool,
@@ -23,11 +23,9 @@ pub struct InitOptions {
 impl InitOptions {
     /// Parses `/proc/cmdline`.
     pub fn from_cmdline(cmdline: &str) -> Self {
-        let mut opts = InitOptions { suites: vec!["smoke".into()], shell: false, l1: false };
+        let mut opts = InitOptions { suites: gdrvm_model::cmdline_suites(cmdline), shell: false, l1: false };
         for word in cmdline.split_whitespace() {
-            if let Some(list) = word.strip_prefix("gdrvm.suites=") {
-                opts.suites = list.split(',').filter(|s| !s.is_empty()).map(str::to_owned).collect();
-            } else if word == "gdrvm.shell" || word == "gdrvm.shell=1" {
+            if word == "gdrvm.shell" || word == "gdrvm.shell=1" {
                 opts.shell = true;
             } else if word == "gdrvm.l1" {
                 opts.l1 = true;

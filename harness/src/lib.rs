@@ -15,7 +15,7 @@ mod result;
 mod runner;
 mod spec;
 
-pub use artifacts::{gdrvm_dir, Artifacts, ArtifactsError, BootImage};
+pub use artifacts::{gdrvm_dir, Artifacts, ArtifactsError, BootImage, LayeredImage};
 pub use nested::{L1Config, TcgThreads, L1_CPU};
 pub use probe::{choose, RunnerChoice};
 pub use result::{exit, GdrvmStats, L1Failure, L1Incident, VmOutcome, VmResult, TAIL_LINES};

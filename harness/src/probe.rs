@@ -71,13 +71,14 @@ fn kind_of(native_ok: bool) -> RunnerKind {
 
 async fn probe(artifacts: &Artifacts) -> (bool, String) {
     let runner = Runner::new(RunnerKind::Native, artifacts.clone());
+    let cmdline = "console=ttyS0 quiet panic=-1 gdrvm.suites=";
     let spec = VmSpec {
         name: "kvm-probe".into(),
         vmm: Vmm::Gdrvm,
-        image: artifacts.guest.clone(),
+        image: artifacts.guest_for(cmdline),
         node: None,
         cluster: None,
-        cmdline: "console=ttyS0 quiet panic=-1 gdrvm.suites=".into(),
+        cmdline: cmdline.into(),
         cpus: 1,
         memory: "256M".into(),
         timeout: PROBE_TIMEOUT,

@@ -26,7 +26,7 @@ pub use kernel::{extract_vmlinux, module_bytes, ModuleIndex, ResolvedModule};
 pub use kernels::{
     kernel_order, lock_path, update as update_kernel_lock, KernelLock, LockChanges, LockedKernel, DEBIAN_PREFIX,
 };
-pub use recipe::{KernelPackage, Modules, Package, Recipe};
+pub use recipe::{FilesPackage, KernelPackage, Layer, Modules, Package, Recipe};
 
 pub use repin::{repin, Repinned};
 
@@ -138,6 +138,8 @@ pub struct ExtraFile {
     pub source: Source,
     /// Permission bits.
     pub mode: u32,
+    /// The recipe's layers it belongs to (as [`FilesPackage::layers`]); none: every image.
+    pub layers: Vec<String>,
 }
 
 /// Where an image's kernel and its modules come from, when not the recipe's package.
@@ -167,6 +169,39 @@ pub struct Customization {
     pub user_modules: Vec<PathBuf>,
     /// Files the caller adds.
     pub extras: Vec<ExtraFile>,
+    /// The recipe's layers the image has.
+    pub layers: Layers,
+}
+
+/// Which of its recipe's layers an image has.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub enum Layers {
+    /// Every layer.
+    #[default]
+    All,
+    /// These layers only (none: the base alone).
+    Only(Vec<String>),
+}
+
+impl Layers {
+    /// Whether files of `layers` (none: every image's) go into an image with these layers.
+    fn admit(&self, layers: &[String]) -> bool {
+        match self {
+            Layers::All => true,
+            Layers::Only(have) => layers.is_empty() || layers.iter().any(|l| have.contains(l)),
+        }
+    }
+
+    /// The image name for recipe `name` with these layers: `default` with every layer,
+    /// `default.base` with none, `default.base+lspci` with lspci only.
+    pub fn image_name(&self, name: &str) -> String {
+        match self {
+            Layers::All => name.to_owned(),
+            Layers::Only(layers) => {
+                std::iter::once(format!("{name}.base")).chain(layers.iter().cloned()).collect::<Vec<_>>().join("+")
+            }
+        }
+    }
 }
 
 /// A built image.
@@ -244,8 +279,10 @@ fn cache_key(recipe: &Recipe, custom: &Customization, kernel: &ResolvedKernel) -
         h.update(m.to_string_lossy().as_bytes());
         h.update(Sha256::digest(&data));
     }
+    h.update(format!("{:?}", custom.layers));
     for extra in &custom.extras {
         h.update(&extra.guest_path);
+        h.update(extra.layers.join(","));
         h.update(extra.mode.to_le_bytes());
         match &extra.source {
             Source::Bytes(b) => h.update(b),
@@ -408,6 +445,7 @@ pub fn build_custom(
         }
     }
 
+    check_layers(recipe, custom)?;
     let busybox_deb = fetch(&recipe.busybox, cache, progress)?;
     let unpacked = cache.dir("unpacked")?;
     let busybox_tree = unpacked.join(format!("{}_{}", recipe.busybox.package, recipe.busybox.version));
@@ -417,8 +455,14 @@ pub fn build_custom(
     let required = index.resolve(&recipe.modules.load)?;
     let optional: Vec<_> =
         index.resolve(&recipe.modules.try_load)?.into_iter().filter(|m| !required.contains(m)).collect();
+    let mut on_demand_names = recipe.modules.on_demand.clone();
+    for (name, layer) in &recipe.layer {
+        if custom.layers.admit(std::slice::from_ref(name)) {
+            on_demand_names.extend(layer.on_demand.iter().cloned());
+        }
+    }
     let on_demand: Vec<_> = index
-        .resolve(&recipe.modules.on_demand)?
+        .resolve(&on_demand_names)?
         .into_iter()
         .filter(|m| !required.contains(m) && !optional.contains(m))
         .collect();
@@ -453,7 +497,7 @@ pub fn build_custom(
     let busybox = busybox_tree.join("bin/busybox");
     fs.file("bin/busybox", Source::Host(busybox.clone()), 0o755);
     let mut package_files = Vec::new();
-    for p in &recipe.package {
+    for p in recipe.package.iter().filter(|p| custom.layers.admit(&p.layers)) {
         let deb = fetch(&p.pin, cache, progress)?;
         let tree = unpacked.join(format!("{}_{}", p.pin.package, p.pin.version));
         debian::unpack(&deb, &tree, progress)?;
@@ -488,10 +532,16 @@ pub fn build_custom(
         modules: required.iter().map(guest_module).collect(),
         optional_modules: optional.iter().map(guest_module).collect(),
         on_demand_modules: on_demand.iter().map(guest_module).collect(),
+        left_out_layers: recipe
+            .layer
+            .iter()
+            .filter(|(name, _)| !custom.layers.admit(std::slice::from_ref(*name)))
+            .map(|(name, layer)| (name.clone(), layer.suites.clone()))
+            .collect(),
     };
     let manifest_json = serde_json::to_vec_pretty(&manifest).unwrap_or_default();
     fs.file(IMAGE_MANIFEST_PATH, Source::Bytes(manifest_json.clone()), 0o644);
-    for extra in &custom.extras {
+    for extra in custom.extras.iter().filter(|e| custom.layers.admit(&e.layers)) {
         fs.file(&extra.guest_path, extra.source.clone(), extra.mode);
     }
     std::fs::create_dir_all(&out_dir).map_err(io(&out_dir))?;
@@ -501,6 +551,31 @@ pub fn build_custom(
     std::fs::write(&manifest_path, &manifest_json).map_err(io(&manifest_path))?;
     std::fs::write(out_dir.join("key"), &key).map_err(io(&out_dir))?;
     Ok(BuiltImage { vmlinux, initramfs, manifest, rebuilt: true })
+}
+
+/// Checks that every layer `custom` names (its choice, its extra files') is one of
+/// `recipe`'s.
+fn check_layers(recipe: &Recipe, custom: &Customization) -> Result<(), ImageError> {
+    let chosen = match &custom.layers {
+        Layers::All => &[][..],
+        Layers::Only(layers) => layers.as_slice(),
+    };
+    let named = chosen
+        .iter()
+        .map(|l| (l, "the image's layers".to_owned()))
+        .chain(custom.extras.iter().flat_map(|e| e.layers.iter().map(|l| (l, format!("extra file {}", e.guest_path)))));
+    for (layer, whose) in named {
+        if !recipe.layer.contains_key(layer) {
+            return Err(ImageError::Recipe {
+                path: recipe.path.clone(),
+                reason: format!(
+                    "{whose}: '{layer}' is not a layer of this recipe (it has {})",
+                    recipe.layer.keys().cloned().collect::<Vec<_>>().join(", ")
+                ),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Adds `path` from an unpacked package `tree`: a file as it is, a symlink as a symlink
@@ -572,6 +647,36 @@ mod tests {
         std::fs::create_dir_all(dir.join("kernel")).unwrap();
         std::fs::write(dir.join("modules.builtin"), "").unwrap();
         dir
+    }
+
+    #[test]
+    fn test_layers_admit_and_name_images() {
+        let some = Layers::Only(vec!["lspci".into()]);
+        let base = Layers::Only(vec![]);
+        assert!(some.admit(&[]) && base.admit(&[]) && Layers::All.admit(&["rdma".into()]));
+        assert!(some.admit(&["lspci".into(), "rdma".into()]));
+        assert!(!some.admit(&["rdma".into()]) && !base.admit(&["lspci".into()]));
+        assert_eq!(Layers::All.image_name("default"), "default");
+        assert_eq!(base.image_name("default"), "default.base");
+        assert_eq!(Layers::Only(vec!["lspci".into(), "rdma".into()]).image_name("default"), "default.base+lspci+rdma");
+    }
+
+    #[test]
+    fn test_unknown_layers_are_refused_naming_whose() {
+        let recipe = Recipe::load(&recipes_dir().join("default.toml")).unwrap();
+        let extra = |layers: &[&str]| ExtraFile {
+            guest_path: "/usr/bin/x".into(),
+            source: Source::Bytes(vec![]),
+            mode: 0o755,
+            layers: layers.iter().map(|l| l.to_string()).collect(),
+        };
+        let custom =
+            |layers: Layers, extras: Vec<ExtraFile>| Customization { layers, extras, ..Customization::default() };
+        assert!(check_layers(&recipe, &custom(Layers::Only(vec!["gpu".into()]), vec![extra(&["rdma"])])).is_ok());
+        let e = check_layers(&recipe, &custom(Layers::Only(vec!["cuda".into()]), vec![])).unwrap_err().to_string();
+        assert!(e.contains("default.toml") && e.contains("'cuda'") && e.contains("gpu, lspci, rdma"), "{e}");
+        let e = check_layers(&recipe, &custom(Layers::All, vec![extra(&["verbs"])])).unwrap_err().to_string();
+        assert!(e.contains("extra file /usr/bin/x") && e.contains("'verbs'"), "{e}");
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! Image recipes: TOML files naming pinned Debian packages and the modules to load.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
@@ -55,6 +56,25 @@ pub struct FilesPackage {
     pub pin: Package,
     /// Paths inside the package, without a leading `/`.
     pub files: Vec<String>,
+    /// The layers ([`Layer`]) these files belong to: they are in an image that has any of
+    /// them. None: in every image.
+    #[serde(default)]
+    pub layers: Vec<String>,
+}
+
+/// A part of the image that only some suites need (lspci and its libraries for
+/// `topology`, rdma-core for `rdma`). An image is built with all its recipe's layers or
+/// with some; a run boots the smallest image with the layers its suites need, so a boot
+/// that needs none (the benchmarks, `smoke`) does not copy and unpack the others.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Layer {
+    /// The agent's suites that need this layer.
+    pub suites: Vec<String>,
+    /// Modules of this layer that suites load when they need them (as
+    /// [`Modules::on_demand`]).
+    #[serde(default)]
+    pub on_demand: Vec<String>,
 }
 
 /// A whole recipe.
@@ -75,6 +95,9 @@ pub struct Recipe {
     /// Userland tools from Debian packages (e.g. pciutils and its libraries).
     #[serde(default)]
     pub package: Vec<FilesPackage>,
+    /// The image's layers, by name.
+    #[serde(default)]
+    pub layer: BTreeMap<String, Layer>,
     /// Where the recipe was read from.
     #[serde(skip)]
     pub path: PathBuf,
@@ -109,11 +132,24 @@ impl Recipe {
                 return Err(bad(format!("key package[{i}].files: '{f}' must be a relative path inside the package")));
             }
         }
+        if let Some(name) = recipe.layer.keys().find(|n| !is_layer_name(n)) {
+            return Err(bad(format!("key layer.{name}: a layer's name is lowercase letters, digits and '_'")));
+        }
+        for (i, p) in recipe.package.iter().enumerate() {
+            if let Some(l) = p.layers.iter().find(|l| !recipe.layer.contains_key(*l)) {
+                return Err(bad(format!("key package[{i}].layers: '{l}' is not a layer of this recipe ([layer.{l}])")));
+            }
+        }
         if recipe.name.is_empty() || recipe.name.contains('/') {
             return Err(bad(format!("key name: '{}' is not a usable directory name", recipe.name)));
         }
         Ok(recipe)
     }
+}
+
+/// Whether `name` can name a layer (it becomes part of an image's directory name).
+fn is_layer_name(name: &str) -> bool {
+    !name.is_empty() && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
 }
 
 #[cfg(test)]
@@ -127,7 +163,14 @@ mod tests {
         assert_eq!(r.kernel.release, "6.1.0-57-amd64");
         assert!(r.modules.load.contains(&"virtio_net".to_string()));
         assert_eq!(r.modules.try_load, vec!["e1000e"]);
+        assert_eq!(r.layer.keys().collect::<Vec<_>>(), ["gpu", "lspci", "rdma"]);
+        assert_eq!(r.layer["rdma"].on_demand, ["crc32_generic", "rdma_rxe", "ib_uverbs", "rdma_ucm"]);
+        assert_eq!(r.layer["lspci"].suites, ["topology"]);
+        let layers_of = |p: &str| r.package.iter().find(|x| x.pin.package == p).unwrap().layers.clone();
+        assert_eq!(layers_of("pciutils"), ["lspci"]);
+        assert_eq!(layers_of("libc6"), ["lspci", "rdma", "gpu"]);
         let l1 = Recipe::load(&dir.join("l1.toml")).unwrap();
+        assert!(l1.layer.is_empty());
         assert_eq!(l1.modules.try_load, vec!["kvm_amd", "kvm_intel", "vfio-pci", "vfio_iommu_type1"]);
     }
 
@@ -139,6 +182,11 @@ mod tests {
         assert!(e.contains("bad.toml") && e.contains("kernel.sha256"), "{e}");
         let e = Recipe::parse(p, &base.replace("release = ", "relase = ")).unwrap_err().to_string();
         assert!(e.contains("bad.toml") && e.contains("[kernel]") && e.contains("`release`"), "{e}");
+        let e =
+            Recipe::parse(p, &base.replace("layers = [\"lspci\"]", "layers = [\"lspcii\"]")).unwrap_err().to_string();
+        assert!(e.contains("bad.toml") && e.contains("package[0].layers") && e.contains("'lspcii'"), "{e}");
+        let e = Recipe::parse(p, &base.replace("[layer.gpu]", "[layer.GPU]")).unwrap_err().to_string();
+        assert!(e.contains("key layer.GPU"), "{e}");
         let e = Recipe::parse(p, "name = ").unwrap_err().to_string();
         assert!(e.contains("bad.toml"), "{e}");
     }

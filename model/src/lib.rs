@@ -38,12 +38,27 @@ pub mod nccl;
 pub mod node;
 pub mod symbols;
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 /// Path, inside the guest, of the expectations the VMM appends to the initramfs.
 pub const EXPECT_PATH: &str = "/gdrvm/expect.json";
 /// Path, inside the guest, of the manifest the image builder writes.
 pub const IMAGE_MANIFEST_PATH: &str = "/gdrvm/image.json";
+
+/// The suites the agent runs as PID 1 when the kernel command line names none.
+pub const DEFAULT_SUITES: &[&str] = &["smoke"];
+
+/// The suites a kernel command line asks of the agent: those of its last
+/// `gdrvm.suites=a,b` word (none for `gdrvm.suites=`), else [`DEFAULT_SUITES`].
+pub fn cmdline_suites(cmdline: &str) -> Vec<String> {
+    let last = cmdline.split_whitespace().rev().find_map(|w| w.strip_prefix("gdrvm.suites="));
+    match last {
+        Some(list) => list.split(',').filter(|s| !s.is_empty()).map(str::to_owned).collect(),
+        None => DEFAULT_SUITES.iter().map(|s| s.to_string()).collect(),
+    }
+}
 /// I/O port of the debug-exit device: the guest writes its exit status (one byte) here.
 /// The same port as QEMU's `isa-debug-exit` default, so one agent serves both VMMs.
 pub const DEBUG_EXIT_PORT: u16 = 0x501;
@@ -190,6 +205,11 @@ pub struct ImageManifest {
     /// guest cannot test what they drive if one fails to load.
     #[serde(default)]
     pub user_modules: Vec<String>,
+    /// The layers of the image's recipe that this image was built without, each with the
+    /// suites that need it: the agent fails such a suite, naming the layer, rather than
+    /// letting its checks skip for a missing tool.
+    #[serde(default)]
+    pub left_out_layers: BTreeMap<String, Vec<String>>,
 }
 
 impl Expectations {
@@ -240,4 +260,17 @@ pub fn parse_size(s: &str) -> Option<u64> {
         _ => (t, 0),
     };
     digits.parse::<u64>().ok()?.checked_mul(1u64 << shift)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_cmdline_suites_takes_the_last_list_or_the_default() {
+        assert_eq!(cmdline_suites("console=ttyS0 quiet"), DEFAULT_SUITES);
+        assert_eq!(cmdline_suites("quiet gdrvm.suites=smoke,topology panic=-1"), ["smoke", "topology"]);
+        assert!(cmdline_suites("gdrvm.suites= quiet").is_empty());
+        assert_eq!(cmdline_suites("gdrvm.suites=rdma gdrvm.suites=gpu,"), ["gpu"]);
+    }
 }

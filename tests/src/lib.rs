@@ -96,7 +96,7 @@ fn specs(a: &Artifacts) -> Result<Vec<VmSpec>, String> {
     let spec = |name: &str, cmdline: &str, cpus: u32, memory: &str| VmSpec {
         name: name.into(),
         vmm: Vmm::Gdrvm,
-        image: a.guest.clone(),
+        image: a.guest_for(cmdline),
         node: match name {
             guests::VELA_NUMA => Some(vela_bound.clone()),
             guests::FLAT => Some("flat".to_owned()),

@@ -178,6 +178,10 @@ fn print_no_ktap(r: &VmResult) {
 /// The command line of every boot-bench VM: the same kernel, initramfs and command line
 /// for every VMM; no suites, so the agent prints its KTAP header as soon as it starts.
 const BOOT_CMDLINE: &str = "console=ttyS0 quiet panic=-1 gdrvm.suites=";
+/// The vfio bench's: the agent's `barbench` suite times guest reads of the BAR.
+const BARBENCH_CMDLINE: &str = "console=ttyS0 quiet panic=-1 gdrvm.suites=barbench";
+/// The net bench's: the `rdma` suite's TCP stream and ib_write_bw between the nodes.
+const NET_CMDLINE: &str = "console=ttyS0 quiet panic=-1 tsc=reliable gdrvm.suites=rdma";
 /// The profile run's: the kernel times every initcall into a log buffer big enough to keep
 /// them all (the console stays quiet), and the agent's `profile` suite reports.
 const PROFILE_CMDLINE: &str = "console=ttyS0 quiet panic=-1 initcall_debug log_buf_len=4M gdrvm.suites=profile";
@@ -188,7 +192,7 @@ fn specs(artifacts: &Artifacts, rounds: usize, cmdline: &str) -> Vec<VmSpec> {
             CONTENDERS.iter().map(move |(name, vmm)| VmSpec {
                 name: format!("{name} #{round}"),
                 vmm: *vmm,
-                image: artifacts.guest.clone(),
+                image: artifacts.guest_for(cmdline),
                 node: None,
                 cluster: None,
                 cmdline: cmdline.into(),
@@ -713,7 +717,7 @@ async fn time_to_agent(
     let spec = |name: String, node: &str, cmdline: &str| VmSpec {
         name,
         vmm: Vmm::Gdrvm,
-        image: runner.artifacts.guest.clone(),
+        image: runner.artifacts.guest_for(cmdline),
         node: Some(node.to_owned()),
         cluster: None,
         cmdline: cmdline.into(),
@@ -791,10 +795,10 @@ pub async fn vfio(runner: &Runner, rounds: usize) -> Result<()> {
             BAR_ACCESS.iter().map(move |access| VmSpec {
                 name: format!("{access} #{round}"),
                 vmm: Vmm::Gdrvm,
-                image: runner.artifacts.guest.clone(),
+                image: runner.artifacts.guest_for(BARBENCH_CMDLINE),
                 node: Some(if *access == "mapped" { "vfio-lab".to_owned() } else { trapped.clone() }),
                 cluster: None,
-                cmdline: "console=ttyS0 quiet panic=-1 gdrvm.suites=barbench".into(),
+                cmdline: BARBENCH_CMDLINE.into(),
                 cpus: 1,
                 memory: "1G".into(),
                 timeout: Duration::from_secs(180),
@@ -924,10 +928,10 @@ pub async fn net(runner: &Runner, rounds: usize) -> Result<()> {
             NET_CONTENDERS.iter().map(move |(name, qemu)| VmSpec {
                 name: format!("{name} #{round}"),
                 vmm: Vmm::Gdrvm,
-                image: runner.artifacts.guest.clone(),
+                image: runner.artifacts.guest_for(NET_CMDLINE),
                 node: None,
                 cluster: Some(ClusterSpec { cluster: "two-node".into(), kill: None, qemu: *qemu }),
-                cmdline: "console=ttyS0 quiet panic=-1 tsc=reliable gdrvm.suites=rdma".into(),
+                cmdline: NET_CMDLINE.into(),
                 cpus: 1,
                 memory: "768M".into(),
                 timeout: Duration::from_secs(240),

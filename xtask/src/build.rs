@@ -1,12 +1,13 @@
 //! Building what runs need: static gdrvm and agent binaries, the guest and L1 images, and
 //! the artifact index the harness and end-to-end tests read.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
-use gdrvm_harness::{gdrvm_dir, Artifacts, BootImage};
-use gdrvm_images::{Cache, ExtraFile, Recipe, Source};
+use gdrvm_harness::{gdrvm_dir, Artifacts, BootImage, LayeredImage};
+use gdrvm_images::{Cache, Customization, ExtraFile, Layers, Recipe, Source};
 
 /// The workspace root.
 pub fn workspace() -> PathBuf {
@@ -61,13 +62,19 @@ fn target_dir() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| workspace().join("target"))
 }
 
-/// The files the guest image adds to its recipe: the agent as /init, its verbs and CUDA
-/// helpers.
+/// The files the guest image adds to its recipe: the agent as /init, its verbs helper (in
+/// the `rdma` layer) and its CUDA helper (in the `gpu` layer).
 fn guest_extras(agent: PathBuf, verbs: PathBuf, gpu: PathBuf) -> [ExtraFile; 3] {
+    let file = |guest_path: &str, host: PathBuf, layers: &[&str]| ExtraFile {
+        guest_path: guest_path.into(),
+        source: Source::Host(host),
+        mode: 0o755,
+        layers: layers.iter().map(|l| l.to_string()).collect(),
+    };
     [
-        ExtraFile { guest_path: "/init".into(), source: Source::Host(agent), mode: 0o755 },
-        ExtraFile { guest_path: "/usr/bin/gdrvm-verbs".into(), source: Source::Host(verbs), mode: 0o755 },
-        ExtraFile { guest_path: "/usr/bin/gdrvm-gpu".into(), source: Source::Host(gpu), mode: 0o755 },
+        file("/init", agent, &[]),
+        file("/usr/bin/gdrvm-verbs", verbs, &["rdma"]),
+        file("/usr/bin/gdrvm-gpu", gpu, &["gpu"]),
     ]
 }
 
@@ -79,32 +86,48 @@ pub fn custom_guest(opts: &crate::kernel::KernelOpts) -> Result<BootImage> {
     crate::kernel::guest_image(opts, &guest_extras(agent, release.join("gdrvm-verbs"), release.join("gdrvm-gpu")))
 }
 
-/// Builds everything and writes the artifact index.
+/// Builds (or finds current) the image `recipe` describes with `extras` and `layers`.
+fn image(recipe: &Recipe, extras: &[ExtraFile], layers: Layers, cache: &Cache) -> Result<BootImage> {
+    let progress = |line: &str| println!("xtask: image: {line}");
+    let name = layers.image_name(&recipe.name);
+    let custom = Customization { extras: extras.to_vec(), layers, ..Customization::default() };
+    let built = gdrvm_images::build_custom(recipe, &custom, &name, cache, &progress)?;
+    let size = std::fs::metadata(&built.initramfs).map_or(0, |m| m.len());
+    println!(
+        "xtask: image {name}: {} ({:.1} MB, {})",
+        built.initramfs.display(),
+        size as f64 / 1e6,
+        if built.rebuilt { "built" } else { "up to date" }
+    );
+    Ok(BootImage { kernel: built.vmlinux, initrd: built.initramfs })
+}
+
+/// Builds everything and writes the artifact index: the guest image with all its layers,
+/// with none and with each alone; the L1 image.
 pub fn artifacts() -> Result<Artifacts> {
     crate::host::require_commands(&[("apt-get", "apt"), ("dpkg-deb", "dpkg")])?;
     let (gdrvm, agent) = static_binaries()?;
     let cache = Cache::new(gdrvm_dir().join("cache"));
-    let progress = |line: &str| println!("xtask: image: {line}");
     let (verbs, gpu) = dynamic_helpers()?;
-    let [init, verbs, gpu] = guest_extras(agent, verbs, gpu);
-    let mut images = Vec::new();
-    for name in ["default", "l1"] {
-        let path = gdrvm_images::recipes_dir().join(format!("{name}.toml"));
-        let recipe = Recipe::load(&path)?;
-        // The guest image runs the rdma and gpu suites; L1 only runs VMMs.
-        let extras =
-            if name == "default" { vec![init.clone(), verbs.clone(), gpu.clone()] } else { vec![init.clone()] };
-        let built = gdrvm_images::build(&recipe, &extras, &cache, &progress)?;
-        println!(
-            "xtask: image {name}: {} ({})",
-            built.initramfs.display(),
-            if built.rebuilt { "built" } else { "up to date" }
-        );
-        images.push(BootImage { kernel: built.vmlinux, initrd: built.initramfs });
+    let extras = guest_extras(agent, verbs, gpu);
+    let recipe = Recipe::load(&gdrvm_images::recipes_dir().join("default.toml"))?;
+    let guest = image(&recipe, &extras, Layers::All, &cache)?;
+    let mut guest_layered = Vec::new();
+    for layers in std::iter::once(Vec::new()).chain(recipe.layer.keys().map(|l| vec![l.clone()])) {
+        let image = image(&recipe, &extras, Layers::Only(layers.clone()), &cache)?;
+        guest_layered.push(LayeredImage { layers, image });
     }
-    let l1 = images.pop().context("no L1 image")?;
-    let guest = images.pop().context("no guest image")?;
-    let artifacts = Artifacts { gdrvm, guest, l1 };
+    let mut suite_layers: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (name, layer) in &recipe.layer {
+        for suite in &layer.suites {
+            suite_layers.entry(suite.clone()).or_default().push(name.clone());
+        }
+    }
+    // L1 only runs VMMs: the agent is all it adds.
+    let l1_recipe = Recipe::load(&gdrvm_images::recipes_dir().join("l1.toml"))?;
+    let [init, ..] = extras;
+    let l1 = image(&l1_recipe, &[init], Layers::All, &cache)?;
+    let artifacts = Artifacts { gdrvm, guest, guest_layered, suite_layers, l1 };
     artifacts.save().context("writing the artifact index")?;
     Ok(artifacts)
 }

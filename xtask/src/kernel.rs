@@ -78,7 +78,8 @@ pub fn guest_image(opts: &KernelOpts, extras: &[gdrvm_images::ExtraFile]) -> Res
     sweep_vanished_module_sources(&cache_root);
     let cache = Cache::new(&cache_root);
     let progress = |line: &str| println!("xtask: image: {line}");
-    let mut custom = Customization { kernel, user_modules: Vec::new(), extras: extras.to_vec() };
+    let mut custom =
+        Customization { kernel, user_modules: Vec::new(), extras: extras.to_vec(), layers: gdrvm_images::Layers::All };
     let mut name = format!("default@{label}");
     if let Some(src) = &opts.module_src {
         let source = record_module_source(&cache_root, src)?;

@@ -693,7 +693,7 @@ fn boot(
         }
     }
     let artifacts = build::artifacts()?;
-    spec.image = if kernel.is_default() { artifacts.guest.clone() } else { build::custom_guest(kernel)? };
+    spec.image = if kernel.is_default() { artifacts.guest_for(&spec.cmdline) } else { build::custom_guest(kernel)? };
     // A lab node's devices exist only in its L1.
     let arg = if spec.needs_lab() && matches!(opts.runner, RunnerArg::Auto) { RunnerArg::Nested } else { opts.runner };
     run_interruptible(async {
@@ -720,13 +720,14 @@ fn record_sysfs(output: &std::path::Path, opts: &RunOpts) -> Result<i32> {
         return Ok(exit::USAGE);
     }
     let artifacts = build::artifacts()?;
+    let cmdline = regress::suites_cmdline(&["capture".to_owned()], record::CMDLINE_FLAG);
     let spec = VmSpec {
         name: "record-sysfs".into(),
         vmm: Vmm::Gdrvm,
-        image: artifacts.guest.clone(),
+        image: artifacts.guest_for(&cmdline),
         node: opts.node.clone(),
         cluster: None,
-        cmdline: regress::suites_cmdline(&["capture".to_owned()], record::CMDLINE_FLAG),
+        cmdline,
         cpus: opts.cpus.unwrap_or(2),
         memory: opts.memory.clone(),
         timeout: Duration::from_secs(opts.timeout),

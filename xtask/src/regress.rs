@@ -70,7 +70,7 @@ fn not_tested(why: String, elapsed: Duration) -> CellReport {
 async fn boot_one(runner: &Runner, name: &str, kernel: &KernelOpts, plan: &GuestPlan) -> CellReport {
     let started = Instant::now();
     let image = if kernel.is_default() {
-        Ok(runner.artifacts.guest.clone())
+        Ok(runner.artifacts.guest_for(&suites_cmdline(&plan.suites, &plan.append)))
     } else {
         let opts = kernel.clone();
         // Downloads and compiles: off the runtime's threads.

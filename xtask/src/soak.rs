@@ -60,13 +60,15 @@ pub async fn soak(runner: &Runner, plan: &SoakPlan) -> Result<i32> {
         "xtask: soak: {} boots of {name}, {} per L1, {:?} runner, L1 {:?}",
         plan.boots, plan.per_l1, runner.kind, runner.l1
     );
+    let cmdline = format!("console=ttyS0 quiet panic=-1 gdrvm.suites={}", plan.suites);
+    let image = runner.artifacts.guest_for(&cmdline);
     let spec = |i: usize| VmSpec {
         name: format!("{name} #{i}"),
         vmm: plan.vmm,
-        image: runner.artifacts.guest.clone(),
+        image: image.clone(),
         node: None,
         cluster: None,
-        cmdline: format!("console=ttyS0 quiet panic=-1 gdrvm.suites={}", plan.suites),
+        cmdline: cmdline.clone(),
         cpus: 2,
         memory: "1G".into(),
         timeout: Duration::from_secs(120),

@@ -112,6 +112,7 @@ mod tests {
             modules: vec![],
             optional_modules: vec![],
             on_demand_modules: vec![],
+            left_out_layers: Default::default(),
             user_modules: modules.iter().map(|m| format!("/lib/modules/{m}.ko")).collect(),
         });
         ctx.kernel_log = Ok("[ 1.0] gdrvm_drv 0000:01:00.0: gdrvm_drv: bar0 16777216 bytes\n".into());

@@ -43,6 +43,14 @@ pub const ALL: &[&str] = &["smoke", "topology"];
 
 /// Runs the suite called `name`.
 pub fn run(name: &str, ctx: &Context) -> SuiteReport {
+    if let Some(layer) = left_out_layer(name, ctx) {
+        let image = ctx.image.as_ref().map_or("", |i| i.name.as_str());
+        let reason = format!(
+            "image '{image}' was built without its recipe's layer '{layer}', which this suite needs \
+             (`cargo xtask` boots each run with the layers its suites need)"
+        );
+        return SuiteReport { name: name.to_owned(), checks: vec![Check::new("image_layers", Verdict::Fail(reason))] };
+    }
     let checks = match name {
         "smoke" => smoke::run(ctx),
         "topology" => topology::run(ctx),
@@ -63,4 +71,53 @@ pub fn run(name: &str, ctx: &Context) -> SuiteReport {
         )],
     };
     SuiteReport { name: name.to_owned(), checks }
+}
+
+/// The layer of the image's recipe that suite `name` needs and the image was built
+/// without, if any.
+fn left_out_layer<'a>(name: &str, ctx: &'a Context) -> Option<&'a str> {
+    let image = ctx.image.as_ref()?;
+    image.left_out_layers.iter().find(|(_, suites)| suites.iter().any(|s| s == name)).map(|(l, _)| l.as_str())
+}
+
+#[cfg(test)]
+mod tests {
+    use gdrvm_model::ImageManifest;
+
+    use super::*;
+
+    fn ctx(left_out: &[(&str, &[&str])]) -> Context {
+        Context {
+            expect: None,
+            image: Some(ImageManifest {
+                name: "default.base".into(),
+                kernel_release: "6.1.0-57-amd64".into(),
+                modules: vec![],
+                optional_modules: vec![],
+                on_demand_modules: vec![],
+                user_modules: vec![],
+                left_out_layers: left_out
+                    .iter()
+                    .map(|(l, suites)| (l.to_string(), suites.iter().map(|s| s.to_string()).collect()))
+                    .collect(),
+            }),
+            root: std::path::PathBuf::from("/nonexistent"),
+            kernel_log: Ok(String::new()),
+            module_errors: vec![],
+            modules_left_out: vec![],
+        }
+    }
+
+    #[test]
+    fn test_a_suite_whose_layer_the_image_lacks_fails_naming_it() {
+        let c = ctx(&[("lspci", &["topology"]), ("rdma", &["rdma"])]);
+        let report = run("topology", &c);
+        assert_eq!(report.checks.len(), 1);
+        let Verdict::Fail(why) = &report.checks[0].verdict else { panic!("{:?}", report.checks[0].verdict) };
+        assert!(why.contains("'default.base'") && why.contains("layer 'lspci'"), "{why}");
+        // A suite no left-out layer names goes on as usual.
+        assert_eq!(run("no_such_suite", &c).checks[0].name, "suite_exists");
+        assert_eq!(left_out_layer("rdma", &c), Some("rdma"));
+        assert_eq!(left_out_layer("topology", &ctx(&[])), None);
+    }
 }

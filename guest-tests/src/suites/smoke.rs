@@ -235,6 +235,7 @@ mod tests {
                 modules: vec!["/lib/modules/virtio_net.ko".into()],
                 optional_modules: vec![],
                 on_demand_modules: vec![],
+                left_out_layers: Default::default(),
                 user_modules: vec![],
             }),
             root: root.to_owned(),

@@ -24,7 +24,7 @@ fn test_broken_l1_image_ends_cannot_test_with_the_reason() {
     let spec = VmSpec {
         name: "smoke-on-broken-l1".into(),
         vmm: Vmm::Gdrvm,
-        image: a.guest.clone(),
+        image: a.guest_for("gdrvm.suites=smoke"),
         node: None,
         cluster: None,
         cmdline: "console=ttyS0 quiet panic=-1 gdrvm.suites=smoke".into(),

@@ -194,6 +194,7 @@ mod tests {
                 modules: modules.iter().map(|m| m.to_string()).collect(),
                 optional_modules: vec![],
                 on_demand_modules: optional.iter().map(|m| m.to_string()).collect(),
+                left_out_layers: Default::default(),
                 user_modules: vec![],
             }),
             root: root.to_owned(),
