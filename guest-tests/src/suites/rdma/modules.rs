@@ -123,7 +123,7 @@ fn visit(
         }
     }
     let why = if ctx.image.is_some() {
-        "not loaded and not in the image (its recipe's [modules] on_demand must list it)"
+        "not loaded and not in the image (its recipe's [layer.rdma] on_demand must list it)"
     } else {
         "not loaded (no gdrvm image to load it from)"
     };
@@ -273,8 +273,8 @@ mod tests {
         assert_eq!(
             p.missing,
             [
-                "rdma_rxe: not loaded and not in the image (its recipe's [modules] on_demand must list it)",
-                "rdma_ucm: not loaded and not in the image (its recipe's [modules] on_demand must list it)",
+                "rdma_rxe: not loaded and not in the image (its recipe's [layer.rdma] on_demand must list it)",
+                "rdma_ucm: not loaded and not in the image (its recipe's [layer.rdma] on_demand must list it)",
             ]
         );
         let check = ensure(&ctx(root.path(), &[], &[]), RDMA_MODULES);
