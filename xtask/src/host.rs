@@ -33,6 +33,10 @@ pub fn require_packages(packages: &[&str]) -> Result<()> {
     install_missing(packages.iter().copied().filter(|p| !installed(p)).collect())
 }
 
+/// Set to 1 to let apt remove installed packages to make room for what gdrvm needs (CI's
+/// throwaway machines set it).
+const MAY_REMOVE: &str = "GDRVM_APT_MAY_REMOVE";
+
 fn install_missing(missing: Vec<&str>) -> Result<()> {
     if missing.is_empty() {
         return Ok(());
@@ -40,10 +44,33 @@ fn install_missing(missing: Vec<&str>) -> Result<()> {
     if !is_root() {
         bail!("missing Debian packages {}: run `sudo apt-get install {}`", missing.join(", "), missing.join(" "));
     }
+    // apt may remove installed packages to satisfy dependencies (bookworm's
+    // qemu-system-x86 takes out a backported qemu-utils). It says so in one line among
+    // many, so gdrvm asks first and removes nothing unless told it may.
+    let may_remove = std::env::var(MAY_REMOVE).is_ok_and(|v| v == "1");
+    let removals = match apt_removals(&missing) {
+        Some(r) => r,
+        None => {
+            let _ = Command::new("apt-get").args(["update", "-q"]).status();
+            apt_removals(&missing).unwrap_or_default()
+        }
+    };
+    if !removals.is_empty() {
+        if !may_remove {
+            bail!(
+                "installing Debian packages {} would make apt remove {}: run `sudo apt-get install {}` yourself if that is fine, or set {MAY_REMOVE}=1",
+                missing.join(", "),
+                removals.join(", "),
+                missing.join(" ")
+            );
+        }
+        println!("xtask: apt removes {} to install {} ({MAY_REMOVE}=1)", removals.join(", "), missing.join(", "));
+    }
     println!("xtask: installing Debian packages: {}", missing.join(" "));
     let install = |pkgs: &[&str]| {
         Command::new("apt-get")
             .args(["install", "-y", "-q", "--no-install-recommends"])
+            .args((!may_remove).then_some("--no-remove"))
             .args(pkgs)
             .env("DEBIAN_FRONTEND", "noninteractive")
             .status()
@@ -56,4 +83,40 @@ fn install_missing(missing: Vec<&str>) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The installed packages apt would remove to install `packages` (a simulated install),
+/// or `None` when apt cannot plan it (lists too old to know a package).
+fn apt_removals(packages: &[&str]) -> Option<Vec<String>> {
+    let out = Command::new("apt-get")
+        .args(["install", "-s", "-q", "--no-install-recommends"])
+        .args(packages)
+        .env("DEBIAN_FRONTEND", "noninteractive")
+        .output()
+        .ok()?;
+    out.status.success().then(|| removed_by(&String::from_utf8_lossy(&out.stdout)))
+}
+
+/// The packages a simulated apt run removes (its `Remv NAME [VERSION]` lines).
+fn removed_by(simulation: &str) -> Vec<String> {
+    simulation
+        .lines()
+        .filter_map(|l| l.strip_prefix("Remv "))
+        .filter_map(|rest| rest.split_whitespace().next())
+        .map(str::to_owned)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_removed_by_reads_apt_simulation() {
+        let sim = "NOTE: This is only a simulation!\nRemv qemu-utils [1:10.0.2+ds-1~bpo12+1]\n\
+                   Inst qemu-system-x86 (1:7.2+dfsg-7+deb12u18+b3 Debian:12.15/oldstable [amd64])\n\
+                   Conf qemu-system-x86 (1:7.2+dfsg-7+deb12u18+b3 Debian:12.15/oldstable [amd64])\n";
+        assert_eq!(removed_by(sim), ["qemu-utils"]);
+        assert!(removed_by("Inst qemu-utils (1:7.2 Debian [amd64])\n").is_empty());
+    }
 }
