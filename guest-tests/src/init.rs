@@ -23,15 +23,11 @@ pub struct InitOptions {
 impl InitOptions {
     /// Parses `/proc/cmdline`.
     pub fn from_cmdline(cmdline: &str) -> Self {
-        let mut opts = InitOptions { suites: gdrvm_model::cmdline_suites(cmdline), shell: false, l1: false };
-        for word in cmdline.split_whitespace() {
-            if word == "gdrvm.shell" || word == "gdrvm.shell=1" {
-                opts.shell = true;
-            } else if word == "gdrvm.l1" {
-                opts.l1 = true;
-            }
+        InitOptions {
+            suites: gdrvm_model::cmdline_suites(cmdline),
+            shell: gdrvm_model::cmdline_shell(cmdline),
+            l1: cmdline.split_whitespace().any(|w| w == "gdrvm.l1"),
         }
-        opts
     }
 }
 

@@ -94,7 +94,7 @@ impl Artifacts {
     /// ([`gdrvm_model::cmdline_suites`]), else the one with all. A shell gets all: its
     /// user may want any tool.
     pub fn guest_for(&self, cmdline: &str) -> BootImage {
-        if cmdline.split_whitespace().any(|w| w == "gdrvm.shell" || w == "gdrvm.shell=1") {
+        if gdrvm_model::cmdline_shell(cmdline) {
             return self.guest.clone();
         }
         let suites = gdrvm_model::cmdline_suites(cmdline);

@@ -192,6 +192,17 @@ impl Layers {
         }
     }
 
+    /// The layers of `recipe` that a run with kernel command line `cmdline` needs: those
+    /// of the agent's suites there ([`gdrvm_model::cmdline_suites`]), or all for a shell.
+    pub fn for_cmdline(recipe: &Recipe, cmdline: &str) -> Layers {
+        if gdrvm_model::cmdline_shell(cmdline) {
+            return Layers::All;
+        }
+        let suites = gdrvm_model::cmdline_suites(cmdline);
+        let needed = recipe.layer.iter().filter(|(_, l)| l.suites.iter().any(|s| suites.contains(s)));
+        Layers::Only(needed.map(|(name, _)| name.clone()).collect())
+    }
+
     /// The image name for recipe `name` with these layers: `default` with every layer,
     /// `default.base` with none, `default.base+lspci` with lspci only.
     pub fn image_name(&self, name: &str) -> String {
@@ -657,6 +668,14 @@ mod tests {
         assert!(some.admit(&["lspci".into(), "rdma".into()]));
         assert!(!some.admit(&["rdma".into()]) && !base.admit(&["lspci".into()]));
         assert_eq!(Layers::All.image_name("default"), "default");
+        let recipe = Recipe::load(&recipes_dir().join("default.toml")).unwrap();
+        assert_eq!(Layers::for_cmdline(&recipe, "quiet gdrvm.suites=smoke,topology"), some);
+        assert_eq!(Layers::for_cmdline(&recipe, "quiet"), base);
+        assert_eq!(
+            Layers::for_cmdline(&recipe, "gdrvm.suites=gpu,rdma"),
+            Layers::Only(vec!["gpu".into(), "rdma".into()])
+        );
+        assert_eq!(Layers::for_cmdline(&recipe, "gdrvm.shell"), Layers::All);
         assert_eq!(base.image_name("default"), "default.base");
         assert_eq!(Layers::Only(vec!["lspci".into(), "rdma".into()]).image_name("default"), "default.base+lspci+rdma");
     }

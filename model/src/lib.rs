@@ -50,6 +50,11 @@ pub const IMAGE_MANIFEST_PATH: &str = "/gdrvm/image.json";
 /// The suites the agent runs as PID 1 when the kernel command line names none.
 pub const DEFAULT_SUITES: &[&str] = &["smoke"];
 
+/// Whether a kernel command line asks the agent for a shell instead of suites.
+pub fn cmdline_shell(cmdline: &str) -> bool {
+    cmdline.split_whitespace().any(|w| w == "gdrvm.shell" || w == "gdrvm.shell=1")
+}
+
 /// The suites a kernel command line asks of the agent: those of its last
 /// `gdrvm.suites=a,b` word (none for `gdrvm.suites=`), else [`DEFAULT_SUITES`].
 pub fn cmdline_suites(cmdline: &str) -> Vec<String> {

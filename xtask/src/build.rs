@@ -79,11 +79,13 @@ fn guest_extras(agent: PathBuf, verbs: PathBuf, gpu: PathBuf) -> [ExtraFile; 3] 
 }
 
 /// The guest image with another kernel or an out-of-tree module (see [`crate::kernel`]),
-/// after [`artifacts`] built the binaries it carries.
-pub fn custom_guest(opts: &crate::kernel::KernelOpts) -> Result<BootImage> {
+/// after [`artifacts`] built the binaries it carries, with the layers a run with kernel
+/// command line `cmdline` needs.
+pub fn custom_guest(opts: &crate::kernel::KernelOpts, cmdline: &str) -> Result<BootImage> {
     let agent = target_dir().join(TARGET).join("release").join("gdrvm-agent");
     let release = target_dir().join("release");
-    crate::kernel::guest_image(opts, &guest_extras(agent, release.join("gdrvm-verbs"), release.join("gdrvm-gpu")))
+    let extras = guest_extras(agent, release.join("gdrvm-verbs"), release.join("gdrvm-gpu"));
+    crate::kernel::guest_image(opts, &extras, cmdline)
 }
 
 /// Builds (or finds current) the image `recipe` describes with `extras` and `layers`.

@@ -67,8 +67,9 @@ fn kernel_source(opts: &KernelOpts, recipe: &Recipe) -> Result<(Option<KernelSou
 }
 
 /// Builds the guest image `opts` asks for (the default recipe with that kernel and module),
-/// the agent and verbs helper added as in the default image.
-pub fn guest_image(opts: &KernelOpts, extras: &[gdrvm_images::ExtraFile]) -> Result<BootImage> {
+/// the agent and its helpers added as in the default image, with the layers a run with
+/// kernel command line `cmdline` needs.
+pub fn guest_image(opts: &KernelOpts, extras: &[gdrvm_images::ExtraFile], cmdline: &str) -> Result<BootImage> {
     let recipe = Recipe::load(&gdrvm_images::recipes_dir().join("default.toml"))?;
     let (kernel, release, label) = kernel_source(opts, &recipe)?;
     let cache_root = gdrvm_dir().join("cache");
@@ -78,9 +79,10 @@ pub fn guest_image(opts: &KernelOpts, extras: &[gdrvm_images::ExtraFile]) -> Res
     sweep_vanished_module_sources(&cache_root);
     let cache = Cache::new(&cache_root);
     let progress = |line: &str| println!("xtask: image: {line}");
-    let mut custom =
-        Customization { kernel, user_modules: Vec::new(), extras: extras.to_vec(), layers: gdrvm_images::Layers::All };
-    let mut name = format!("default@{label}");
+    let layers = gdrvm_images::Layers::for_cmdline(&recipe, cmdline);
+    // The module source's label stays last: the sweep below finds its images by it.
+    let mut name = layers.image_name(&format!("default@{label}"));
+    let mut custom = Customization { kernel, user_modules: Vec::new(), extras: extras.to_vec(), layers };
     if let Some(src) = &opts.module_src {
         let source = record_module_source(&cache_root, src)?;
         let headers = headers_dir(opts, &release, &custom)?;
@@ -176,7 +178,7 @@ fn source_of(builds: &Path, label: &str) -> Source {
 }
 
 /// Removes the module builds (`module-src/<label>@<kernel>`) and guest images
-/// (`images/default@<kernel>+<label>`) of module sources whose directory is gone, such as
+/// (`images/default@<kernel>[.base+<layers>]+<label>`) of module sources whose directory is gone, such as
 /// a test's or a bisection's temporary checkout: each would otherwise keep a 25 MB image
 /// in the cache for good. A build without a record (from before records were kept) counts
 /// as gone; a cache entry costs only its rebuild. Each label is judged by its record as
@@ -361,6 +363,8 @@ mod tests {
             images.join(format!("default@6.1.0-57-amd64+{kept}")),
             images.join(format!("default@6.12.117+deb12+{gone}")),
             images.join(format!("default@6.1.0-57-amd64+{legacy}")),
+            images.join(format!("default@6.12.117+deb12.base+lspci+{gone}")),
+            images.join(format!("default@6.1.0-57-amd64.base+{kept}")),
             builds.join(format!("{kept}@6.1.0-57-amd64")),
             builds.join(format!("{gone}@6.12.117+deb12")),
             builds.join(format!("{legacy}@6.1.0-57-amd64")),
@@ -379,7 +383,7 @@ mod tests {
         sweep_vanished_module_sources(root);
 
         let exists: Vec<bool> = dirs.iter().map(|d| d.exists()).collect();
-        assert_eq!(exists, [true, true, true, false, false, true, false, false]);
+        assert_eq!(exists, [true, true, true, false, false, false, true, true, false, false]);
         assert!(builds.join(format!("{unknown}@6.1.0-57-amd64")).is_dir());
         assert!(builds.join(format!("{kept}.source")).is_file());
         assert!(!builds.join(format!("{gone}.source")).exists());

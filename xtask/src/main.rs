@@ -693,7 +693,11 @@ fn boot(
         }
     }
     let artifacts = build::artifacts()?;
-    spec.image = if kernel.is_default() { artifacts.guest_for(&spec.cmdline) } else { build::custom_guest(kernel)? };
+    spec.image = if kernel.is_default() {
+        artifacts.guest_for(&spec.cmdline)
+    } else {
+        build::custom_guest(kernel, &spec.cmdline)?
+    };
     // A lab node's devices exist only in its L1.
     let arg = if spec.needs_lab() && matches!(opts.runner, RunnerArg::Auto) { RunnerArg::Nested } else { opts.runner };
     run_interruptible(async {

@@ -69,12 +69,13 @@ fn not_tested(why: String, elapsed: Duration) -> CellReport {
 /// Boots one guest: its image first (an image that cannot be built is 125), then the run.
 async fn boot_one(runner: &Runner, name: &str, kernel: &KernelOpts, plan: &GuestPlan) -> CellReport {
     let started = Instant::now();
+    let cmdline = suites_cmdline(&plan.suites, &plan.append);
     let image = if kernel.is_default() {
-        Ok(runner.artifacts.guest_for(&suites_cmdline(&plan.suites, &plan.append)))
+        Ok(runner.artifacts.guest_for(&cmdline))
     } else {
         let opts = kernel.clone();
         // Downloads and compiles: off the runtime's threads.
-        tokio::task::spawn_blocking(move || crate::build::custom_guest(&opts))
+        tokio::task::spawn_blocking(move || crate::build::custom_guest(&opts, &cmdline))
             .await
             .unwrap_or_else(|e| Err(anyhow::anyhow!("image build panicked: {e}")))
     };
