@@ -15,6 +15,8 @@
 mod function;
 mod image;
 
+use std::collections::BTreeSet;
+use std::ops::Range;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use gdrvm_devices::{lock, BusDevice, ConfigWriteEffects};
@@ -42,6 +44,8 @@ pub struct PciSegment {
     functions: Vec<Mutex<PciFunction>>,
     /// Images of the imageable functions, kept equal to their configuration space.
     images: ConfigImages,
+    /// ECAM ranges of the absent functions on the buses a guest scans.
+    absent: Vec<Range<u64>>,
     /// Weak: the sink (the device wiring) reaches the segment's buses; its owner keeps it.
     effects: OnceLock<Weak<dyn ApplyEffects>>,
 }
@@ -73,12 +77,21 @@ impl PciSegment {
             tracing::warn!("cannot allocate configuration images ({e}): every configuration read exits");
             ConfigImages::none(functions.len())
         });
+        let absent = absent_ranges(node, &index);
         PciSegment {
             index,
             functions: functions.into_iter().map(Mutex::new).collect(),
             images,
+            absent,
             effects: OnceLock::new(),
         }
+    }
+
+    /// ECAM ranges (offsets, 4 KiB-aligned) of the absent functions on every bus a
+    /// guest scans, each host bridge's and each bridge's secondary bus: runs of
+    /// consecutive absent functions, none crossing a bus. Their reads are all-ones.
+    pub fn absent_ranges(&self) -> &[Range<u64>] {
+        &self.absent
     }
 
     /// Brings function `i`'s image (if it has one) up to what its device holds now, after
@@ -151,6 +164,31 @@ impl PciSegment {
             }
         }
     }
+}
+
+/// The runs of absent functions on the buses of `node` a guest scans, as ECAM offsets.
+fn absent_ranges(node: &Node, index: &[u16; 65536]) -> Vec<Range<u64>> {
+    let mut buses: BTreeSet<u8> = node.host_bridges.iter().map(|h| h.first_bus).collect();
+    buses.extend(node.functions.iter().filter_map(|f| f.buses.map(|(secondary, _)| secondary)));
+    let page = |slot: usize| (slot as u64) << 12;
+    let mut ranges = Vec::new();
+    for bus in buses {
+        let first = usize::from(bus) << 8;
+        let on_bus = index[first..first + 256].iter().map(|&i| i == ABSENT);
+        let mut start = None;
+        // A present sentinel past the bus's last function closes a run that reaches it.
+        for (slot, absent) in (first..).zip(on_bus.chain([false])) {
+            match (absent, start) {
+                (true, None) => start = Some(slot),
+                (false, Some(s)) => {
+                    ranges.push(page(s)..page(slot));
+                    start = None;
+                }
+                _ => {}
+            }
+        }
+    }
+    ranges
 }
 
 /// ECAM: bus in address bits 27:20, device 19:15, function 14:12, register 11:0.

@@ -253,3 +253,30 @@ fn test_acs_control_as_the_node_sets_it() {
     let ctrl = find_ext_capability(&mut e, 0, 1, PCI_EXT_CAP_ID_ACS) + PCI_ACS_CTRL;
     assert_eq!(read16(&mut e, ecam(0, 1, 0, ctrl)), 0);
 }
+
+#[test]
+fn test_absent_ranges_cover_the_scanned_buses_gaps_and_nothing_present() {
+    for preset in ["minimal", "vela-a100"] {
+        let node = Node::preset(preset).unwrap().unwrap();
+        let pci = PciSegment::new(&node);
+        let ranges = pci.absent_ranges();
+        let page_of = |f: &gdrvm_model::node::Function| ecam(f.bdf.bus, f.bdf.device, f.bdf.function, 0);
+        let mut scanned: Vec<u8> = node.host_bridges.iter().map(|h| h.first_bus).collect();
+        scanned.extend(node.functions.iter().filter_map(|f| f.buses.map(|(secondary, _)| secondary)));
+        for r in ranges {
+            assert!(r.start < r.end && r.start % 4096 == 0 && r.end % 4096 == 0, "{preset}: {r:x?}");
+            assert_eq!(r.start >> 20, (r.end - 1) >> 20, "{preset}: {r:x?} crosses a bus");
+            assert!(scanned.contains(&((r.start >> 20) as u8)), "{preset}: {r:x?} is on a bus no one scans");
+            assert!(r.end <= ECAM_SIZE);
+            assert!(node.functions.iter().all(|f| !r.contains(&page_of(f))), "{preset}: {r:x?} covers a function");
+        }
+        // Every absent function of a scanned bus is covered, and nothing else.
+        let covered: usize = ranges.iter().map(|r| ((r.end - r.start) >> 12) as usize).sum();
+        let on_scanned = node.functions.iter().filter(|f| scanned.contains(&f.bdf.bus)).count();
+        scanned.sort_unstable();
+        scanned.dedup();
+        assert_eq!(covered, scanned.len() * 256 - on_scanned, "{preset}");
+        // The enumeration's first absent read: 00:02.0 on minimal's root bus.
+        assert!(ranges.iter().any(|r| r.contains(&ecam(0, 2, 0, 0)) || preset != "minimal"));
+    }
+}

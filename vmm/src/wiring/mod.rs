@@ -13,6 +13,7 @@
 //! Cloud Hypervisor likewise moves BARs only on address writes. A passed-through device's
 //! BARs are removed instead: vfio-pci revokes their mappings while decode is off.
 
+mod absent;
 mod bars;
 mod emulator;
 mod memslots;
@@ -169,10 +170,14 @@ pub struct DeviceWiring {
 }
 
 /// Configuration images given to KVM: their slots (with guest addresses), and the segment
-/// that holds their memory, kept until the slots are gone.
+/// that holds their memory, kept until the slots are gone; likewise the all-ones memory
+/// over absent functions.
 struct MappedImages {
     _segment: Arc<PciSegment>,
     slots: Vec<(u32, u64)>,
+    /// Of `slots`, those of configuration images (the rest are absent functions').
+    images: usize,
+    _absent: Vec<DeviceMemory>,
 }
 
 /// One range of guest RAM, as the DMA space needs it.
@@ -415,9 +420,11 @@ impl DeviceWiring {
     }
 
     /// Maps `pci`'s configuration images read-only over their functions' ECAM pages
-    /// (ECAM at `ecam_base`), so that the guest reads those functions without an exit; at
-    /// most `MAX_IMAGE_SLOTS`, so that BARs keep most of KVM's slots. A page KVM refuses,
-    /// or one past the limit, is left to exit on reads too, with a warning. Once only.
+    /// (ECAM at `ecam_base`), so that the guest reads those functions without an exit,
+    /// then all-ones over its runs of absent functions ([`absent`]); at most
+    /// `MAX_IMAGE_SLOTS` slots in all, so that BARs keep most of KVM's slots. A page KVM
+    /// refuses, or one past the limit, is left to exit on reads too, with a warning (an
+    /// absent run with a debug line). Once only.
     pub fn map_config_images(&self, pci: &Arc<PciSegment>, ecam_base: u64) {
         let mut images = lock(&self.images);
         if images.is_some() {
@@ -440,12 +447,52 @@ impl DeviceWiring {
                 Err(e) => tracing::warn!("configuration image at {gpa:#x}: {e}; its reads exit"),
             }
         }
-        *images = Some(MappedImages { _segment: pci.clone(), slots });
+        let mapped_images = slots.len();
+        let absent = self.map_absent(pci.absent_ranges(), ecam_base, MAX_IMAGE_SLOTS - mapped_images, &mut slots);
+        *images = Some(MappedImages { _segment: pci.clone(), slots, images: mapped_images, _absent: absent });
+    }
+
+    /// Maps all-ones read-only over the absent functions' ECAM `ranges` (offsets from
+    /// `ecam_base`), at most `budget` of them, adding their slots to `slots`; returns the
+    /// mappings, to be kept until those slots are removed.
+    fn map_absent(
+        &self,
+        ranges: &[std::ops::Range<u64>],
+        ecam_base: u64,
+        budget: usize,
+        slots: &mut Vec<(u32, u64)>,
+    ) -> Vec<DeviceMemory> {
+        let Some(longest) = ranges.iter().map(|r| r.end - r.start).max() else { return Vec::new() };
+        let ones = match absent::AllOnes::new(longest) {
+            Ok(ones) => ones,
+            Err(e) => {
+                tracing::warn!("no all-ones memory for absent functions ({e}): reads of them exit");
+                return Vec::new();
+            }
+        };
+        let mut mapped = Vec::new();
+        for r in ranges.iter().take(budget) {
+            let (gpa, len) = (ecam_base + r.start, r.end - r.start);
+            let slot = ones.map(len).and_then(|m| Ok((self.slots.add_readonly(gpa, m.host_addr(0), len)?, m)));
+            match slot {
+                Ok((slot, memory)) => {
+                    slots.push((slot, gpa));
+                    mapped.push(memory);
+                }
+                Err(e) => tracing::debug!("absent functions at {gpa:#x}: {e}; their reads exit"),
+            }
+        }
+        tracing::debug!(
+            "{} of {} runs of absent functions read as all-ones without an exit",
+            mapped.len(),
+            ranges.len()
+        );
+        mapped
     }
 
     /// Configuration images KVM maps.
     pub fn config_images(&self) -> usize {
-        lock(&self.images).as_ref().map_or(0, |m| m.slots.len())
+        lock(&self.images).as_ref().map_or(0, |m| m.images)
     }
 
     /// Configuration writes the devices' firewalls dropped, over all devices.

@@ -544,7 +544,18 @@ fn test_configuration_images_are_mapped_read_only_and_removed_first() {
     assert_eq!(Arc::strong_count(&pci), holders + 1, "the mapped images keep their memory");
     // Once only: a second call maps nothing more.
     wiring.map_config_images(&pci, gdrvm_model::layout::ECAM_BASE);
-    let added: Vec<kvm_userspace_memory_region> = lock(&seen).slots[before..].to_vec();
+    let all_added: Vec<kvm_userspace_memory_region> = lock(&seen).slots[before..].to_vec();
+    // After the images, all-ones over each run of absent functions on a scanned bus.
+    let (added, absent) = all_added.split_at(all_added.len() - pci.absent_ranges().len());
+    for (slot, range) in absent.iter().zip(pci.absent_ranges()) {
+        assert_eq!(slot.guest_phys_addr, gdrvm_model::layout::ECAM_BASE + range.start);
+        assert_eq!(slot.memory_size, range.end - range.start);
+        assert_eq!(slot.flags, KVM_MEM_READONLY);
+        // SAFETY: the wiring keeps the slot's memory mapped while it lives.
+        let bytes = unsafe { std::slice::from_raw_parts(slot.userspace_addr as *const u8, slot.memory_size as usize) };
+        assert!(bytes.iter().all(|&b| b == 0xff), "absent functions read all-ones");
+    }
+    assert!(!absent.is_empty());
     // One read-only page for each function with nothing behind it, at its ECAM address;
     // none for the NIC, whose device answers its own registers.
     let ecam = |i: usize| {
@@ -571,7 +582,7 @@ fn test_configuration_images_are_mapped_read_only_and_removed_first() {
     // Dropping the wiring removes those slots first, then lets go of the segment.
     drop(wiring);
     let removed: Vec<u32> = lock(&seen).slots.iter().filter(|r| r.memory_size == 0).map(|r| r.slot).collect();
-    assert!(added.iter().all(|r| removed.contains(&r.slot)), "image slots left in KVM");
+    assert!(all_added.iter().all(|r| removed.contains(&r.slot)), "image slots left in KVM");
     assert_eq!(Arc::strong_count(&pci), holders);
 }
 
