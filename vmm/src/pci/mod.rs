@@ -1,7 +1,9 @@
 //! PCI segment 0 as the guest reaches it: every function of the node's tree behind ECAM,
 //! the only configuration mechanism. Functions whose configuration changes only on writes
 //! are also imaged ([`ConfigImages`]) for KVM to map read-only over their ECAM pages, so
-//! that only writes exit; a passed-through device's function exits on every access.
+//! that only writes exit; a passed-through device's function exits on every access. The
+//! runs of absent functions on the buses a guest scans ([`PciSegment::absent_ranges`]) are
+//! mapped as all-ones, so enumerating empty slots costs no exit either.
 //!
 //! There is no type-1 mechanism at ports 0xcf8/0xcfc, as on QEMU's `microvm` with PCIe and
 //! on arm64: Linux finds it missing (its probe reads 0xcf8 back as all-ones), and then uses
@@ -15,12 +17,12 @@
 mod function;
 mod image;
 
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use gdrvm_devices::{lock, BusDevice, ConfigWriteEffects};
-use gdrvm_model::node::Node;
+use gdrvm_model::node::{FunctionKind, Node};
 
 pub use function::{Backend, PciFunction};
 pub use gdrvm_devices::{ConfigSpace, ACS_CAPABILITIES, CONFIG_SPACE_SIZE};
@@ -88,8 +90,9 @@ impl PciSegment {
     }
 
     /// ECAM ranges (offsets, 4 KiB-aligned) of the absent functions on every bus a
-    /// guest scans, each host bridge's and each bridge's secondary bus: runs of
-    /// consecutive absent functions, none crossing a bus. Their reads are all-ones.
+    /// guest scans, each host bridge's and each bridge's secondary bus (below a root or
+    /// downstream port, an absent device 0 only): runs of consecutive absent functions,
+    /// none crossing a bus. Their reads are all-ones.
     pub fn absent_ranges(&self) -> &[Range<u64>] {
         &self.absent
     }
@@ -167,14 +170,24 @@ impl PciSegment {
 }
 
 /// The runs of absent functions on the buses of `node` a guest scans, as ECAM offsets.
+/// Below a root or downstream port a guest reads device 0 only (Linux's
+/// `only_one_child`): there only an absent device 0 is covered, a slot spared elsewhere.
 fn absent_ranges(node: &Node, index: &[u16; 65536]) -> Vec<Range<u64>> {
-    let mut buses: BTreeSet<u8> = node.host_bridges.iter().map(|h| h.first_bus).collect();
-    buses.extend(node.functions.iter().filter_map(|f| f.buses.map(|(secondary, _)| secondary)));
+    let mut buses: BTreeMap<u8, usize> = node.host_bridges.iter().map(|h| (h.first_bus, 256)).collect();
+    for f in &node.functions {
+        if let Some((secondary, _)) = f.buses {
+            let one_child = matches!(f.kind, FunctionKind::RootPort | FunctionKind::SwitchDownstream);
+            buses.insert(secondary, if one_child { 8 } else { 256 });
+        }
+    }
     let page = |slot: usize| (slot as u64) << 12;
     let mut ranges = Vec::new();
-    for bus in buses {
+    for (bus, scanned) in buses {
         let first = usize::from(bus) << 8;
-        let on_bus = index[first..first + 256].iter().map(|&i| i == ABSENT);
+        if scanned < 256 && index[first] != ABSENT {
+            continue;
+        }
+        let on_bus = index[first..first + scanned].iter().map(|&i| i == ABSENT);
         let mut start = None;
         // A present sentinel past the bus's last function closes a run that reaches it.
         for (slot, absent) in (first..).zip(on_bus.chain([false])) {
