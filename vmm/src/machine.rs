@@ -653,7 +653,8 @@ impl MutEventSubscriber for Supervisor {
 /// mapping's resident pages (anonymous, file-backed, shared memory) except the memfds of
 /// guest RAM and of emulated BARs. The VMM's own text counts however it was loaded: from a
 /// disk it is file-backed, from an initramfs (the nested L1) it is shared memory, which
-/// `RssAnon + RssFile` would leave out.
+/// `RssAnon + RssFile` would leave out. The all-ones file over absent functions counts
+/// by Pss: its 32 KiB back dozens of mappings, each of which would count them again.
 fn rss_beyond_guest_kib() -> Option<u64> {
     rss_beyond_guest_kib_in(&std::fs::read_to_string("/proc/self/smaps").ok()?)
 }
@@ -661,21 +662,25 @@ fn rss_beyond_guest_kib() -> Option<u64> {
 /// [`rss_beyond_guest_kib`] of a `/proc/<pid>/smaps` text.
 fn rss_beyond_guest_kib_in(smaps: &str) -> Option<u64> {
     let mut total = None;
-    let mut counted = false;
+    // The line that counts for the current mapping ("Rss:", "Pss:"), if any.
+    let mut counted = None;
     for line in smaps.lines() {
         let mut words = line.split_whitespace();
         let Some(first) = words.next() else { continue };
-        if first == "Rss:" {
+        if Some(first) == counted {
             let kib = words.next().and_then(|v| v.parse::<u64>().ok())?;
-            if counted {
-                total = Some(total.unwrap_or(0) + kib);
-            }
+            total = Some(total.unwrap_or(0) + kib);
         } else if first.contains('-') && !first.ends_with(':') {
             // A mapping's header: range, permissions, offset, device, inode, then its name.
             let name = words.nth(4).unwrap_or("");
             let device_memory = name.starts_with("/memfd:gdrvm-")
                 && (name.starts_with("/memfd:gdrvm-guest-ram") || name.contains("-bar"));
-            counted = !device_memory;
+            let shared_ones = name.strip_prefix("/memfd:") == Some(crate::wiring::ALL_ONES_NAME);
+            counted = match (device_memory, shared_ones) {
+                (true, _) => None,
+                (_, true) => Some("Pss:"),
+                _ => Some("Rss:"),
+            };
             total.get_or_insert(0);
         }
     }
@@ -700,8 +705,14 @@ Rss:                 512 kB
 Rss:                   4 kB
 7f3000000000-7f3000100000 rw-p 00000000 00:00 0 
 Rss:                 600 kB
+7f4000000000-7f4000008000 r--s 00000000 00:01 58                         /memfd:gdrvm-absent-functions (deleted)
+Rss:                  32 kB
+Pss:                   8 kB
+7f4000008000-7f4000010000 r--s 00000000 00:01 58                         /memfd:gdrvm-absent-functions (deleted)
+Rss:                  32 kB
+Pss:                   8 kB
 ";
-        assert_eq!(rss_beyond_guest_kib_in(smaps), Some(3144 + 4 + 600));
+        assert_eq!(rss_beyond_guest_kib_in(smaps), Some(3144 + 4 + 600 + 8 + 8));
         assert_eq!(rss_beyond_guest_kib_in(""), None);
     }
 

@@ -3,32 +3,38 @@
 //! A guest enumerating a bus reads the vendor ID of every device slot on it, and Linux
 //! scans all 32 slots of each root bus and switch bus. Where no function is, each such
 //! read was an exit that returned all-ones: 268 of them at boot on vela-a100, 61 on
-//! minimal. One small file of all-ones, mapped read-only over each run of absent
-//! functions on the buses a guest scans ([`crate::pci::PciSegment::absent_ranges`]),
-//! answers those reads without an exit. Writes there still exit, and are dropped as
-//! before; the file's pages are shared by every run, so the guest can make the VMM hold
-//! at most the longest run's size of them.
+//! minimal. A run of absent functions on a bus a guest scans
+//! ([`crate::pci::PciSegment::absent_ranges`]) is now all-ones memory, mapped read-only:
+//! those reads cost no exit. Writes there still exit, and are dropped as before.
 //!
-//! Written by hand: no rust-vmm crate offers a pattern-filled memory file.
+//! The memory is one device slot's worth (32 KiB) of all-ones in a memfd, mapped over and
+//! over to span a run (up to a whole bus, 1 MiB): whatever the guest reads, the VMM holds
+//! 32 KiB for it. The file's mappings are named in `/proc/self/smaps`, where the VMM's
+//! own RSS figure counts them once (by Pss).
+//!
+//! Written by hand: no rust-vmm crate offers a pattern-filled memory file, or one mapped
+//! repeatedly.
 
 use std::ffi::CString;
 use std::fs::File;
-use std::os::fd::FromRawFd;
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::fs::FileExt;
-use std::sync::Arc;
 
-use super::memslots::{DeviceMemory, MemslotError};
+/// Bytes of all-ones the file holds: one device slot (8 functions of 4 KiB).
+const CHUNK: usize = 32 << 10;
 
-/// A memfd of all-ones, as long as the longest run it backs.
+/// The memfd's name, as `/proc/self/smaps` shows its mappings (`/memfd:NAME`).
+pub const NAME: &str = "gdrvm-absent-functions";
+
+/// A memfd of [`CHUNK`] bytes of all-ones.
 pub struct AllOnes {
-    file: Arc<File>,
-    len: u64,
+    file: File,
 }
 
 impl AllOnes {
-    /// `len` bytes of all-ones (a multiple of 4 KiB).
-    pub fn new(len: u64) -> std::io::Result<AllOnes> {
-        let name = CString::new("gdrvm-absent-functions").unwrap_or_default();
+    /// The file, filled.
+    pub fn new() -> std::io::Result<AllOnes> {
+        let name = CString::new(NAME).unwrap_or_default();
         // SAFETY: `name` is a valid NUL-terminated string; memfd_create has no other inputs.
         let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
         if fd < 0 {
@@ -36,22 +42,74 @@ impl AllOnes {
         }
         // SAFETY: `fd` is a fresh descriptor this function owns and nothing else refers to.
         let file = unsafe { File::from_raw_fd(fd) };
-        file.set_len(len)?;
-        // Written, not mapped and stored: the pages stay out of this process's RSS until
-        // the guest reads them.
-        let ones = [0xffu8; 64 << 10];
-        let mut at = 0;
-        while at < len {
-            let n = ones.len().min(usize::try_from(len - at).unwrap_or(ones.len()));
-            file.write_all_at(&ones[..n], at)?;
-            at += n as u64;
-        }
-        Ok(AllOnes { file: Arc::new(file), len })
+        file.write_all_at(&[0xff; CHUNK], 0)?;
+        Ok(AllOnes { file })
     }
 
-    /// Its first `len` bytes mapped into this process (at most its length).
-    pub fn map(&self, len: u64) -> Result<DeviceMemory, MemslotError> {
-        DeviceMemory::map(&self.file, 0, len.min(self.len))
+    /// `len` bytes (a multiple of 4 KiB) of all-ones in one range of this process, read-only.
+    pub fn map(&self, len: usize) -> std::io::Result<OnesMapping> {
+        // SAFETY: a fresh anonymous reservation (no address hint), checked before use.
+        let addr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if addr == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        let mapping = OnesMapping { addr, len };
+        for at in (0..len).step_by(CHUNK) {
+            let n = CHUNK.min(len - at);
+            // SAFETY: replaces `n` bytes inside the reservation this function just made
+            // (MAP_FIXED there only), with the file's first `n` bytes; checked below.
+            let chunk = unsafe {
+                libc::mmap(
+                    addr.cast::<u8>().add(at).cast(),
+                    n,
+                    libc::PROT_READ,
+                    libc::MAP_SHARED | libc::MAP_FIXED,
+                    self.file.as_raw_fd(),
+                    0,
+                )
+            };
+            if chunk == libc::MAP_FAILED {
+                // `mapping` unmaps the whole range on the way out.
+                return Err(std::io::Error::last_os_error());
+            }
+        }
+        Ok(mapping)
+    }
+}
+
+/// A range of all-ones mapped into this process; unmapped on drop.
+pub struct OnesMapping {
+    addr: *mut libc::c_void,
+    len: usize,
+}
+
+// SAFETY: the range is owned by this value and only read (by KVM, and in tests); the
+// pointer is used for address arithmetic and handed to KVM.
+unsafe impl Send for OnesMapping {}
+// SAFETY: as above; nothing mutates through a shared reference.
+unsafe impl Sync for OnesMapping {}
+
+impl OnesMapping {
+    /// Its address in this process.
+    pub fn host_addr(&self) -> u64 {
+        self.addr as u64
+    }
+}
+
+impl Drop for OnesMapping {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly the range this value reserved; its KVM slot is removed
+        // before (the owner removes slots first).
+        unsafe { libc::munmap(self.addr, self.len) };
     }
 }
 
@@ -60,14 +118,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn test_all_ones_maps_as_all_ones() {
-        let ones = AllOnes::new(3 << 12).unwrap();
-        let m = ones.map(2 << 12).unwrap();
-        // SAFETY: the mapping is 8 KiB long and stays mapped while `m` lives.
-        let bytes = unsafe { std::slice::from_raw_parts(m.host_addr(0) as *const u8, 2 << 12) };
+    fn test_a_bus_of_all_ones_from_one_slot_of_memory() {
+        let ones = AllOnes::new().unwrap();
+        assert_eq!(ones.file.metadata().unwrap().len(), CHUNK as u64);
+        // A whole bus but its first function: 255 pages, not a multiple of the chunk.
+        let len = 255 << 12;
+        let m = ones.map(len).unwrap();
+        // SAFETY: the mapping is `len` bytes long and stays mapped while `m` lives.
+        let bytes = unsafe { std::slice::from_raw_parts(m.host_addr() as *const u8, len) };
         assert!(bytes.iter().all(|&b| b == 0xff));
-        let mut tail = [0u8; 4];
-        ones.file.read_exact_at(&mut tail, (3 << 12) - 4).unwrap();
-        assert_eq!(tail, [0xff; 4]);
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let chunks = smaps.lines().filter(|l| l.ends_with(&format!("/memfd:{NAME} (deleted)"))).count();
+        assert!(chunks >= len.div_ceil(CHUNK), "{chunks} mappings of the file");
     }
 }

@@ -43,6 +43,7 @@ use memslots::{DeviceMemory, MemorySlots};
 use msi::MsiState;
 use msix::MsixState;
 
+pub use absent::NAME as ALL_ONES_NAME;
 pub use emulator::{Emulator, EMU_DIR_ENV};
 pub use memslots::{MemorySink, MemslotError};
 
@@ -177,7 +178,7 @@ struct MappedImages {
     slots: Vec<(u32, u64)>,
     /// Of `slots`, those of configuration images (the rest are absent functions').
     images: usize,
-    _absent: Vec<DeviceMemory>,
+    _absent: Vec<absent::OnesMapping>,
 }
 
 /// One range of guest RAM, as the DMA space needs it.
@@ -461,9 +462,11 @@ impl DeviceWiring {
         ecam_base: u64,
         budget: usize,
         slots: &mut Vec<(u32, u64)>,
-    ) -> Vec<DeviceMemory> {
-        let Some(longest) = ranges.iter().map(|r| r.end - r.start).max() else { return Vec::new() };
-        let ones = match absent::AllOnes::new(longest) {
+    ) -> Vec<absent::OnesMapping> {
+        if ranges.is_empty() {
+            return Vec::new();
+        }
+        let ones = match absent::AllOnes::new() {
             Ok(ones) => ones,
             Err(e) => {
                 tracing::warn!("no all-ones memory for absent functions ({e}): reads of them exit");
@@ -473,9 +476,15 @@ impl DeviceWiring {
         let mut mapped = Vec::new();
         for r in ranges.iter().take(budget) {
             let (gpa, len) = (ecam_base + r.start, r.end - r.start);
-            let slot = ones.map(len).and_then(|m| Ok((self.slots.add_readonly(gpa, m.host_addr(0), len)?, m)));
-            match slot {
-                Ok((slot, memory)) => {
+            let memory = match usize::try_from(len).map_err(std::io::Error::other).and_then(|n| ones.map(n)) {
+                Ok(memory) => memory,
+                Err(e) => {
+                    tracing::debug!("absent functions at {gpa:#x}: cannot map all-ones ({e}); their reads exit");
+                    continue;
+                }
+            };
+            match self.slots.add_readonly(gpa, memory.host_addr(), len) {
+                Ok(slot) => {
                     slots.push((slot, gpa));
                     mapped.push(memory);
                 }
