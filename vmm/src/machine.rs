@@ -654,7 +654,7 @@ impl MutEventSubscriber for Supervisor {
 /// guest RAM and of emulated BARs. The VMM's own text counts however it was loaded: from a
 /// disk it is file-backed, from an initramfs (the nested L1) it is shared memory, which
 /// `RssAnon + RssFile` would leave out. The all-ones file over absent functions counts
-/// by Pss: its 32 KiB back dozens of mappings, each of which would count them again.
+/// by Pss: its 256 KiB back dozens of mappings, each of which would count them again.
 fn rss_beyond_guest_kib() -> Option<u64> {
     rss_beyond_guest_kib_in(&std::fs::read_to_string("/proc/self/smaps").ok()?)
 }
