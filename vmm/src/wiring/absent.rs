@@ -43,7 +43,11 @@ impl AllOnes {
         }
         // SAFETY: `fd` is a fresh descriptor this function owns and nothing else refers to.
         let file = unsafe { File::from_raw_fd(fd) };
-        file.write_all_at(&[0xff; CHUNK], 0)?;
+        // From one page, not a CHUNK-sized buffer: stack pages once touched stay resident.
+        let page = [0xffu8; 4096];
+        for at in (0..CHUNK).step_by(page.len()) {
+            file.write_all_at(&page, at as u64)?;
+        }
         Ok(AllOnes { file })
     }
 
