@@ -618,7 +618,8 @@ mod tests {
     #[test]
     fn test_l1_cmdline_carries_log_filter_and_extra_words() {
         let c = L1Config::default();
-        let base = "console=ttyS0 quiet panic=-1 gdrvm.l1 kvm.nx_huge_pages=never cryptomgr.notests nohz_full=1";
+        let base =
+            format!("console=ttyS0 quiet panic=-1 gdrvm.l1 kvm.nx_huge_pages=never {HARNESS_CMDLINE} nohz_full=1");
         assert_eq!(c.cmdline(None), base);
         assert_eq!(c.cmdline(Some("gdrvm=debug")), format!("{base} GDRVM_LOG=gdrvm=debug"));
         assert_eq!(c.cmdline(Some("a b")), base);
@@ -627,7 +628,7 @@ mod tests {
         // One CPU has no CPU to spare from housekeeping; four spare three.
         assert_eq!(
             L1Config { smp: 1, ..L1Config::default() }.cmdline(None),
-            "console=ttyS0 quiet panic=-1 gdrvm.l1 kvm.nx_huge_pages=never cryptomgr.notests"
+            format!("console=ttyS0 quiet panic=-1 gdrvm.l1 kvm.nx_huge_pages=never {HARNESS_CMDLINE}")
         );
         assert!(L1Config { smp: 4, ..L1Config::default() }.cmdline(None).ends_with(" nohz_full=1-3"));
     }
@@ -643,9 +644,9 @@ mod tests {
             L1Lab { qemu_args: vec!["-device".into(), "edu,bus=lab1".into()], vfio_bind: vec![], extra_memory_mib: 64 };
         let args = c.qemu_args(Path::new("/k"), "/i", 3072, Some(&lab)).join(" ");
         assert!(
-            args.contains(
-                "gdrvm.l1 kvm.nx_huge_pages=never cryptomgr.notests nohz_full=1-3 intel_iommu=on -M q35 -device intel-iommu,intremap=on,aw-bits=48 -device edu,bus=lab1"
-            ),
+            args.contains(&format!(
+                "gdrvm.l1 kvm.nx_huge_pages=never {HARNESS_CMDLINE} nohz_full=1-3 intel_iommu=on -M q35 -device intel-iommu,intremap=on,aw-bits=48 -device edu,bus=lab1"
+            )),
             "{args}"
         );
     }
