@@ -252,8 +252,11 @@ impl ConfigSpace {
         self.set16(PCI_MEMORY_BASE, base & 0xfff0);
         self.set16(PCI_MEMORY_LIMIT, limit & 0xfff0);
         self.mask32(PCI_MEMORY_BASE, 0xfff0_fff0);
-        // Prefetchable window, 64-bit.
-        let (base, limit) = windows.pref.map_or((0xfff0_0000_0000, 0), |w| (w.base, w.last()));
+        // Prefetchable window, 64-bit. Closed, base 0xfff0_0000 is above limit 0xf_ffff in the
+        // low halves with both upper halves 0, as Linux closes one: Linux ignores the upper
+        // halves when the base's is above the limit's, so a closure only there reads as an
+        // open window at 0.
+        let (base, limit) = windows.pref.map_or((0xfff0_0000, 0), |w| (w.base, w.last()));
         self.set16(PCI_PREF_MEMORY_BASE, ((base >> 16) as u16 & 0xfff0) | PCI_PREF_RANGE_TYPE_64);
         self.set16(PCI_PREF_MEMORY_LIMIT, ((limit >> 16) as u16 & 0xfff0) | PCI_PREF_RANGE_TYPE_64);
         self.set32(PCI_PREF_BASE_UPPER32, (base >> 32) as u32);

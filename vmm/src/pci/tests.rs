@@ -100,6 +100,21 @@ fn test_bridge_buses_and_windows() {
     assert!(mem & 0xfff0 > mem >> 16, "closed memory window: {mem:#x}");
 }
 
+#[test]
+fn test_a_closed_prefetchable_window_reads_closed_to_linux() {
+    // vela-a100's empty switch ports have nothing prefetchable below them. Linux ignores
+    // the upper halves when the base's is above the limit's, so the window must be closed
+    // in the low halves, with the upper halves equal.
+    let node = Node::preset("vela-a100").unwrap().unwrap();
+    let mut e = Ecam(Arc::new(PciSegment::new(&node)));
+    let empty = node.functions.iter().find(|f| f.windows.is_some_and(|w| w.pref.is_none())).unwrap();
+    let at = |reg| ecam(empty.bdf.bus, empty.bdf.device, empty.bdf.function, reg);
+    let pref = read32(&mut e, at(0x24));
+    let (base_hi, limit_hi) = (read32(&mut e, at(0x28)), read32(&mut e, at(0x2c)));
+    assert_eq!((pref & 0xf, base_hi, limit_hi), (1, 0, 0), "64-bit, upper halves 0: {pref:#x}");
+    assert!(pref & 0xfff0 > pref >> 16 & 0xfff0, "closed prefetchable window: {pref:#x}");
+}
+
 /// (capability id, offset) pairs of the standard list, then of the extended list.
 type CapabilityLists = (Vec<(u8, usize)>, Vec<(u16, usize)>);
 
