@@ -14,6 +14,7 @@ mod process;
 mod result;
 mod runner;
 mod spec;
+mod steal;
 
 pub use artifacts::{gdrvm_dir, Artifacts, ArtifactsError, BootImage, LayeredImage};
 pub use nested::{L1Config, TcgThreads, L1_CPU};
@@ -21,3 +22,4 @@ pub use probe::{choose, RunnerChoice};
 pub use result::{exit, GdrvmStats, L1Failure, L1Incident, VmOutcome, VmResult, TAIL_LINES};
 pub use runner::{HarnessError, Runner, RunnerKind};
 pub use spec::{ClusterSpec, QemuMachine, VmSpec, Vmm};
+pub use steal::host_cpus;

@@ -26,6 +26,7 @@ use crate::process::{forward_lines, spawn, stop};
 use crate::result::{exit, L1Failure, L1Incident, VmOutcome, VmResult, TAIL_LINES};
 use crate::runner::{HarnessError, Runner};
 use crate::spec::{VmSpec, HARNESS_CMDLINE, QEMU_FIRMWARE, QEMU_PATH};
+use crate::steal::StealClock;
 
 /// Time L1 may take to boot and load KVM (measured: 6–8 s; TCG on a loaded host is slower).
 const L1_BOOT_BUDGET: Duration = Duration::from_secs(120);
@@ -441,6 +442,9 @@ impl Runner {
         let mut consoles: Vec<Vec<String>> = vec![Vec::new(); specs.len()];
         let mut outcomes: Vec<Option<(VmOutcome, Duration)>> = vec![None; specs.len()];
         let mut time_to_ktap: Vec<Option<Duration>> = vec![None; specs.len()];
+        // The host's steal counter when each job started, and what it stole to the job's KTAP.
+        let mut steal_at_start: Vec<Option<StealClock>> = vec![None; specs.len()];
+        let mut host_steal: Vec<Option<Duration>> = vec![None; specs.len()];
         let mut kvm_exits: Vec<Option<KvmExits>> = vec![None; specs.len()];
         let mut exit_reasons: Vec<Option<ExitReasons>> = vec![None; specs.len()];
         // L1's own lines, and where each job's stretch of them starts.
@@ -460,6 +464,7 @@ impl Runner {
                         L1Line::JobOutput(i, text) if i < specs.len() => self.take_line(&mut consoles[i], text.to_owned()),
                         L1Line::JobStart(i) if i < specs.len() => {
                             current = Some((i, Instant::now()));
+                            steal_at_start[i] = StealClock::now();
                             l1_from[i] = l1_lines.len();
                         }
                         L1Line::Stuck(text) => match current {
@@ -472,6 +477,7 @@ impl Runner {
                         }
                         L1Line::JobKtap { job, millis } if job < specs.len() => {
                             time_to_ktap[job] = Some(Duration::from_millis(millis));
+                            host_steal[job] = steal_at_start[job].and_then(|s| s.elapsed());
                         }
                         L1Line::JobExits { job, json } if job < specs.len() => {
                             kvm_exits[job] = serde_json::from_str(json).ok();
@@ -543,6 +549,7 @@ impl Runner {
                 let (outcome, elapsed) = outcome?;
                 let mut result = VmResult::new(&spec.name, outcome, console, elapsed);
                 result.time_to_ktap = ktap_at;
+                result.host_steal = host_steal[i];
                 result.kvm_exits = exits;
                 result.exit_reasons = exit_reasons[i].take();
                 let stretch = &l1_lines[l1_from[i].min(ends[i])..ends[i]];

@@ -55,6 +55,9 @@ pub struct VmResult {
     pub elapsed: Duration,
     /// From starting the VMM to the agent's first KTAP line.
     pub time_to_ktap: Option<Duration>,
+    /// CPU time the hypervisor under this machine took from all its CPUs together
+    /// ([`crate::host_cpus`]) over [`Self::time_to_ktap`], where `/proc/stat` tells it.
+    pub host_steal: Option<Duration>,
     /// The exits KVM counted for the VM until its first KTAP line, where the kernel's
     /// counters could be read (debugfs, as root).
     pub kvm_exits: Option<KvmExits>,
@@ -153,6 +156,7 @@ impl VmResult {
             console,
             elapsed,
             time_to_ktap: None,
+            host_steal: None,
             kvm_exits: None,
             exit_reasons: None,
             stats,

@@ -14,6 +14,7 @@ use crate::nested::L1Config;
 use crate::process::{exited, forward_lines, spawn, stop};
 use crate::result::{exit, VmOutcome, VmResult};
 use crate::spec::VmSpec;
+use crate::steal::StealClock;
 
 /// Errors that keep a run from producing results at all.
 #[derive(Debug, thiserror::Error)]
@@ -87,6 +88,8 @@ impl Runner {
 
     async fn run_native(&self, spec: &VmSpec) -> Result<VmResult, HarnessError> {
         let started = Instant::now();
+        let steal = StealClock::now();
+        let mut host_steal = None;
         let node = spec.cluster.as_ref().map(|c| c.cluster.as_str()).or(spec.node.as_deref());
         let files = (spec.image.kernel.as_path(), spec.image.initrd.as_path(), node);
         let (program, args) = spec.command_line(&self.artifacts.gdrvm, files, false);
@@ -107,6 +110,7 @@ impl Runner {
                     Some(line) => {
                         if line == "KTAP version 1" && time_to_ktap.is_none() {
                             time_to_ktap = Some(started.elapsed());
+                            host_steal = steal.and_then(|s| s.elapsed());
                             kvm_exits = child.id().and_then(|pid| {
                                 KvmExits::read(Path::new(DEBUGFS_KVM), pid)
                                     .map_err(|e| tracing::debug!("{}: no exit counts: {e}", spec.name))
@@ -125,6 +129,7 @@ impl Runner {
         };
         let mut result = VmResult::new(&spec.name, outcome, console, started.elapsed());
         result.time_to_ktap = time_to_ktap;
+        result.host_steal = host_steal;
         result.kvm_exits = kvm_exits;
         Ok(result)
     }

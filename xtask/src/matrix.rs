@@ -1244,6 +1244,7 @@ mod tests {
             console: console.clone(),
             elapsed: Duration::from_secs(3),
             time_to_ktap: None,
+            host_steal: None,
             kvm_exits: None,
             exit_reasons: None,
             stats: None,
