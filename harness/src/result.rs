@@ -143,7 +143,9 @@ pub struct GdrvmStats {
 const STATS_PREFIX: &str = "gdrvm-stats: ";
 
 impl VmResult {
-    pub(crate) fn new(name: &str, outcome: VmOutcome, console: Vec<String>, elapsed: Duration) -> Self {
+    /// The result of a run named `name` that ended as `outcome` after `elapsed`, its KTAP,
+    /// panic and gdrvm's stats read from `console`; the runner adds the rest.
+    pub fn new(name: &str, outcome: VmOutcome, console: Vec<String>, elapsed: Duration) -> Self {
         let text = console.join("\n");
         let panicked = text.contains(PANIC_MARKER);
         let stats =

@@ -1063,21 +1063,8 @@ mod tests {
 
     #[test]
     fn test_steal_share_spreads_the_steal_over_the_hosts_cpus() {
-        let mut r = gdrvm_harness::VmResult {
-            name: "r".into(),
-            outcome: gdrvm_harness::VmOutcome::Exited(0),
-            panicked: false,
-            console: Vec::new(),
-            ktap: Default::default(),
-            elapsed: Duration::from_secs(5),
-            time_to_ktap: Some(Duration::from_secs(4)),
-            host_steal: None,
-            kvm_exits: None,
-            exit_reasons: None,
-            stats: None,
-            l1_incidents: Vec::new(),
-            emulator_losses: 0,
-        };
+        let mut r = VmResult::new("r", gdrvm_harness::VmOutcome::Exited(0), Vec::new(), Duration::from_secs(5));
+        r.time_to_ktap = Some(Duration::from_secs(4));
         assert_eq!(steal_share(&r), None, "no steal where the host reports none");
         r.host_steal = Some(Duration::from_secs_f64(0.8 * gdrvm_harness::host_cpus() as f64));
         assert!((steal_share(&r).unwrap() - 0.2).abs() < 1e-9);

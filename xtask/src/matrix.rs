@@ -1236,21 +1236,7 @@ mod tests {
     #[test]
     fn test_cell_report_from_vm_result() {
         let console: Vec<String> = FAILING.lines().map(str::to_owned).collect();
-        let result = VmResult {
-            name: "cell".into(),
-            outcome: VmOutcome::Exited(1),
-            panicked: false,
-            ktap: ktap::parse(FAILING),
-            console: console.clone(),
-            elapsed: Duration::from_secs(3),
-            time_to_ktap: None,
-            host_steal: None,
-            kvm_exits: None,
-            exit_reasons: None,
-            stats: None,
-            l1_incidents: Vec::new(),
-            emulator_losses: 0,
-        };
+        let result = VmResult::new("cell", VmOutcome::Exited(1), console.clone(), Duration::from_secs(3));
         let report = CellReport::from(&result);
         assert_eq!(report.exit_code, exit::FAIL);
         assert_eq!(report.verdict(), Verdict::Fail);
