@@ -64,11 +64,9 @@ mod tests {
     }
 
     #[test]
-    fn test_this_machine_has_a_steal_clock_that_does_not_run_backwards() {
-        let Some(then) = StealClock::now() else {
-            println!("SKIP: /proc/stat has no steal field here");
-            return;
-        };
+    fn test_this_machine_reads_its_steal_clock() {
+        // Every Linux gdrvm runs on (2.6.11 on) has the field.
+        let then = StealClock::now().expect("/proc/stat's steal field");
         assert!(then.elapsed().is_some());
     }
 }
