@@ -166,18 +166,7 @@ fn print_paired_ratios(results: &[VmResult], rounds: usize, qemu: &str) {
     let run = |r: &VmResult| Some(AgentRun { time: time(r)?, steal: steal_share(r) });
     let pairs: Vec<(AgentRun, AgentRun)> =
         (0..rounds).filter_map(|round| Some((run(find("gdrvm", round)?)?, run(find(qemu, round)?)?))).collect();
-    if pairs.iter().any(|(g, q)| g.steal.is_some() || q.steal.is_some()) {
-        let quiet = quiet_ratios(&pairs);
-        print_median(
-            &format!(
-                "time ratio gdrvm / {qemu}, rounds the host left alone (steal <= {:.0}% in both runs)",
-                STEAL_LIMIT * 100.0
-            ),
-            &quiet,
-            rounds,
-        );
-        print_interval(quiet, TIME_TARGET);
-    }
+    print_quiet_ratio(&format!("time ratio gdrvm / {qemu}"), &pairs, rounds, Some(TIME_TARGET));
 }
 
 /// The exits KVM counted for a run's VM until its first KTAP line.
@@ -746,18 +735,24 @@ impl AgentTimes {
         if let Some(target) = target {
             print_interval(ratios, target);
         }
-        if pairs.iter().all(|(x, y)| x.steal.is_none() && y.steal.is_none()) {
-            return;
-        }
-        let quiet = quiet_ratios(&pairs);
-        print_median(
-            &format!("  {what}, rounds the host left alone (steal <= {:.0}% in both runs)", STEAL_LIMIT * 100.0),
-            &quiet,
-            self.0[a].len(),
-        );
-        if let Some(target) = target {
-            print_interval(quiet, target);
-        }
+        print_quiet_ratio(&format!("  {what}"), &pairs, self.0[a].len(), target);
+    }
+}
+
+/// Where the host reports steal, prints the ratio of each round's pair of runs again over
+/// the rounds it left alone ([`quiet_ratios`]), out of `rounds`, with `target`'s verdict.
+fn print_quiet_ratio(what: &str, pairs: &[(AgentRun, AgentRun)], rounds: usize, target: Option<f64>) {
+    if pairs.iter().all(|(x, y)| x.steal.is_none() && y.steal.is_none()) {
+        return;
+    }
+    let quiet = quiet_ratios(pairs);
+    print_median(
+        &format!("{what}, rounds the host left alone (steal <= {:.0}% in both runs)", STEAL_LIMIT * 100.0),
+        &quiet,
+        rounds,
+    );
+    if let Some(target) = target {
+        print_interval(quiet, target);
     }
 }
 
@@ -811,17 +806,18 @@ async fn time_to_agent(
     let results = runner.run(&specs).await?;
     let mut times = Vec::new();
     for (label, _) in nodes {
-        let mine: Vec<Option<AgentRun>> = (0..rounds)
-            .map(|round| {
-                let r = results.iter().find(|r| r.name == name(label, round))?;
+        let runs: Vec<Option<&VmResult>> =
+            (0..rounds).map(|round| results.iter().find(|r| r.name == name(label, round))).collect();
+        let mine: Vec<Option<AgentRun>> = runs
+            .iter()
+            .map(|r| {
+                let r = (*r)?;
                 r.time_to_ktap.map(|d| AgentRun { time: d.as_secs_f64(), steal: steal_share(r) })
             })
             .collect();
         let got: Vec<f64> = mine.iter().flatten().map(|r| r.time).collect();
         print_median(&format!("{label:<18} time to agent"), &got, rounds);
-        let runs: Vec<&VmResult> =
-            (0..rounds).filter_map(|round| results.iter().find(|r| r.name == name(label, round))).collect();
-        print_steal(label, &runs);
+        print_steal(label, &runs.into_iter().flatten().collect::<Vec<_>>());
         times.push(mine);
     }
     print_l1_incidents(&results);
