@@ -1,6 +1,7 @@
 //! `cargo xtask bench`: figures, never assertions.
 //! - `boot`: gdrvm against QEMU booting the same vmlinux and initramfs, in the same
-//!   environment (inside the same L1 when nested), alternating, medians of N runs: time and
+//!   environment (inside the same L1 when nested), alternating with the order reversed
+//!   every other round, medians of N runs: time and
 //!   KVM's exit counts to the first KTAP line, gdrvm's setup phases and the exits it served
 //!   by device; `--profile` adds one initcall-timed boot of each, side by side.
 //! - `topology`: the same guest on vela-a100 and on minimal, both hollow and both as
@@ -25,7 +26,7 @@ use std::collections::BTreeMap;
 use gdrvm_harness::{Artifacts, ClusterSpec, GdrvmStats, QemuMachine, Runner, VmResult, VmSpec, Vmm};
 use gdrvm_model::kvm_exits::{ExitReasons, KvmExits, KERNEL_MAP};
 
-/// The VMMs compared, in the order each round runs them.
+/// The VMMs compared, in the order even rounds run them ([`round_order`]).
 const CONTENDERS: [(&str, Vmm); 3] = [
     ("gdrvm", Vmm::Gdrvm),
     ("qemu -M pc", Vmm::Qemu(QemuMachine::Pc)),
@@ -208,10 +209,25 @@ const NET_CMDLINE: &str = "console=ttyS0 quiet panic=-1 tsc=reliable gdrvm.suite
 /// them all (the console stays quiet), and the agent's `profile` suite reports.
 const PROFILE_CMDLINE: &str = "console=ttyS0 quiet panic=-1 initcall_debug log_buf_len=4M gdrvm.suites=profile";
 
+/// The order of `items` in round `round`: as given in even rounds, reversed in odd ones,
+/// so that no run always follows the same one. Nested, what ran before matters: the
+/// first writes to memory the last VM freed also pay for dropping the emulator's
+/// translations of that VM's code (measured in one L1: gdrvm's setup took 140 ms after a
+/// job that had only touched memory, 430-650 ms after another guest), and the first run
+/// of all meets an L1 whose own code is not translated yet.
+fn round_order<T>(items: &[T], round: usize) -> Vec<&T> {
+    let mut order: Vec<&T> = items.iter().collect();
+    if round % 2 == 1 {
+        order.reverse();
+    }
+    order
+}
+
+/// The boot bench's runs: every contender once a round, in [`round_order`].
 fn specs(artifacts: &Artifacts, rounds: usize, cmdline: &str) -> Vec<VmSpec> {
     (0..rounds)
         .flat_map(|round| {
-            CONTENDERS.iter().map(move |(name, vmm)| VmSpec {
+            round_order(&CONTENDERS, round).into_iter().map(move |(name, vmm)| VmSpec {
                 name: format!("{name} #{round}"),
                 vmm: *vmm,
                 image: artifacts.guest_for(cmdline),
@@ -373,7 +389,11 @@ pub async fn boot(runner: &Runner, rounds: usize, profile: bool) -> Result<()> {
     if rounds < 1 {
         bail!("--rounds must be at least 1");
     }
-    println!("xtask: bench boot: {rounds} rounds of {} VMMs, alternating, {:?} runner", CONTENDERS.len(), runner.kind);
+    println!(
+        "xtask: bench boot: {rounds} rounds of {} VMMs, alternating (reversed every other round), {:?} runner",
+        CONTENDERS.len(),
+        runner.kind
+    );
     let mut all = specs(&runner.artifacts, rounds, BOOT_CMDLINE);
     if profile {
         let mut profiled = specs(&runner.artifacts, 1, PROFILE_CMDLINE);
@@ -791,11 +811,7 @@ async fn time_to_agent(
     };
     let mut specs: Vec<VmSpec> = (0..rounds)
         .flat_map(|round| {
-            let mut order: Vec<&(&str, String)> = nodes.iter().collect();
-            if round % 2 == 1 {
-                order.reverse();
-            }
-            order.into_iter().map(move |(label, node)| spec(name(label, round), node, BOOT_CMDLINE))
+            round_order(nodes, round).into_iter().map(move |(label, node)| spec(name(label, round), node, BOOT_CMDLINE))
         })
         .collect();
     for round in 0..PROFILE_ROUNDS {
@@ -1056,6 +1072,17 @@ pub fn ecam() -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn test_round_order_reverses_every_other_round_so_no_run_always_follows_the_same() {
+        let names: Vec<&str> = CONTENDERS.iter().map(|(n, _)| *n).collect();
+        let runs: Vec<&str> = (0..4).flat_map(|r| round_order(&names, r)).copied().collect();
+        assert_eq!(&runs[..3], ["gdrvm", "qemu -M pc", "qemu -M microvm"]);
+        assert_eq!(&runs[3..6], ["qemu -M microvm", "qemu -M pc", "gdrvm"]);
+        // gdrvm's predecessors over the rounds: nothing, QEMU pc, gdrvm, QEMU pc.
+        let before_gdrvm: Vec<&str> = (1..runs.len()).filter(|&i| runs[i] == "gdrvm").map(|i| runs[i - 1]).collect();
+        assert_eq!(before_gdrvm, ["qemu -M pc", "gdrvm", "qemu -M pc"]);
+    }
 
     #[test]
     fn test_steal_share_spreads_the_steal_over_the_hosts_cpus() {
