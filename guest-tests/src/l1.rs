@@ -186,6 +186,8 @@ fn relay(job: usize, stream: impl Read + Send + 'static, first_ktap: Option<Firs
             if line == "KTAP version 1" {
                 if let Some(FirstKtap { started: t, pid, reasons, l1_kernel }) = first_ktap.take() {
                     println!("{MARKER}job {job} ktap {}", t.elapsed().as_millis());
+                    // Only a process that holds a VM itself (not a cluster's parent).
+                    let held = holds_vm(pid).then(|| Held::stop(pid));
                     // The VM's own counters first: a guest with nothing to run powers off
                     // right after this line, and its counters go with it.
                     match KvmExits::read(Path::new(DEBUGFS_KVM), pid) {
@@ -209,6 +211,7 @@ fn relay(job: usize, stream: impl Read + Send + 'static, first_ktap: Option<Firs
                             Err(e) => println!("# gdrvm-l1: job {job}: no exits by reason: {e}"),
                         }
                     }
+                    drop(held);
                 }
             }
             println!("{prefix}{line}");
@@ -216,6 +219,57 @@ fn relay(job: usize, stream: impl Read + Send + 'static, first_ktap: Option<Firs
                 report_shutdowns(&prefix);
             }
         }
+    })
+}
+
+/// A job's process held still (SIGSTOP) while its VM's counters are read at the first KTAP
+/// line, and let go (SIGCONT) when dropped, so that the totals and the histograms by reason
+/// and site describe the same moment. Read while the guest ran on, the histograms, slow
+/// to read under TCG, took in part of what came after the line: a guest with nothing to
+/// run powers off at once, and its power-off clears the IOAPIC pin by pin (about a hundred
+/// exits that then showed as the boot's). Stopping kicks each vCPU running in the guest
+/// out of it, one exit each, counted with the rest.
+struct Held(u32);
+
+impl Held {
+    /// How long the process's threads get to stop; the counters are read then anyway.
+    const PATIENCE: Duration = Duration::from_millis(200);
+
+    fn stop(pid: u32) -> Held {
+        // SAFETY: kill touches no memory of ours; `pid` is the job's child, not yet reaped.
+        unsafe { libc::kill(pid as libc::pid_t, libc::SIGSTOP) };
+        let deadline = Instant::now() + Held::PATIENCE;
+        while !all_threads_stopped(pid) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Held(pid)
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        // SAFETY: as in `stop`; a process that ended meanwhile ignores it.
+        unsafe { libc::kill(self.0 as libc::pid_t, libc::SIGCONT) };
+    }
+}
+
+/// Whether process `pid` holds a KVM VM, by KVM's debugfs directories (`<pid>-<fd>`).
+fn holds_vm(pid: u32) -> bool {
+    let prefix = format!("{pid}-");
+    std::fs::read_dir(DEBUGFS_KVM)
+        .map(|dir| dir.flatten().any(|e| e.file_name().to_string_lossy().starts_with(&prefix)))
+        .unwrap_or(false)
+}
+
+/// Whether every thread of process `pid` is stopped (state `T`), by `/proc`; false when
+/// that cannot be read.
+fn all_threads_stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return false };
+    tasks.flatten().all(|t| {
+        std::fs::read_to_string(t.path().join("stat"))
+            .ok()
+            .and_then(|stat| stat.rsplit_once(')').map(|(_, rest)| rest.trim_start().starts_with('T')))
+            .unwrap_or(false)
     })
 }
 
@@ -381,5 +435,29 @@ fn report_stuck(pid: u32) {
         for line in read("stack").lines().take(12) {
             println!("{MARKER}stuck   {line}");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_held_process_stops_while_held_and_runs_again_after() {
+        let mut child = Command::new("sleep").arg("30").spawn().unwrap();
+        let pid = child.id();
+        assert!(!all_threads_stopped(pid), "a sleeping process is not stopped");
+        let held = Held::stop(pid);
+        assert!(all_threads_stopped(pid), "held, the process stops within the patience");
+        drop(held);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while all_threads_stopped(pid) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(!all_threads_stopped(pid), "let go, it runs again");
+        assert!(child.try_wait().unwrap().is_none(), "stopping is not ending");
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(!all_threads_stopped(pid), "a reaped process reads as not stopped");
     }
 }
