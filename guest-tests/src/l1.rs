@@ -236,7 +236,8 @@ impl Held {
     const PATIENCE: Duration = Duration::from_millis(200);
 
     fn stop(pid: u32) -> Held {
-        // SAFETY: kill touches no memory of ours; `pid` is the job's child, not yet reaped.
+        // SAFETY: kill touches no memory of ours. `pid` is the job's child, which held a VM
+        // a moment ago (`holds_vm`): its VM goes only when it exits, and it is reaped after.
         unsafe { libc::kill(pid as libc::pid_t, libc::SIGSTOP) };
         let deadline = Instant::now() + Held::PATIENCE;
         while !all_threads_stopped(pid) && Instant::now() < deadline {
