@@ -164,9 +164,9 @@ fn print_paired_ratios(results: &[VmResult], rounds: usize, qemu: &str) {
         print_interval(ratios, target);
     }
     // Steal inflates a time, not a count: the time ratio again over the quiet rounds.
-    let run = |r: &VmResult| Some(AgentRun { time: time(r)?, steal: steal_share(r) });
-    let pairs: Vec<(AgentRun, AgentRun)> =
-        (0..rounds).filter_map(|round| Some((run(find("gdrvm", round)?)?, run(find(qemu, round)?)?))).collect();
+    let pairs: Vec<(AgentRun, AgentRun)> = (0..rounds)
+        .filter_map(|round| Some((AgentRun::of(find("gdrvm", round)?)?, AgentRun::of(find(qemu, round)?)?)))
+        .collect();
     print_quiet_ratio(&format!("time ratio gdrvm / {qemu}"), &pairs, rounds, Some(TIME_TARGET));
 }
 
@@ -727,6 +727,13 @@ struct AgentRun {
     steal: Option<f64>,
 }
 
+impl AgentRun {
+    /// `r`'s time to its first KTAP line and its steal share; none where it gave no time.
+    fn of(r: &VmResult) -> Option<AgentRun> {
+        Some(AgentRun { time: r.time_to_ktap?.as_secs_f64(), steal: steal_share(r) })
+    }
+}
+
 /// Times to the agent: for each node booted, in the order asked, its run in each round
 /// (none where the run gave no time).
 struct AgentTimes(Vec<Vec<Option<AgentRun>>>);
@@ -824,13 +831,7 @@ async fn time_to_agent(
     for (label, _) in nodes {
         let runs: Vec<Option<&VmResult>> =
             (0..rounds).map(|round| results.iter().find(|r| r.name == name(label, round))).collect();
-        let mine: Vec<Option<AgentRun>> = runs
-            .iter()
-            .map(|r| {
-                let r = (*r)?;
-                r.time_to_ktap.map(|d| AgentRun { time: d.as_secs_f64(), steal: steal_share(r) })
-            })
-            .collect();
+        let mine: Vec<Option<AgentRun>> = runs.iter().map(|r| r.and_then(AgentRun::of)).collect();
         let got: Vec<f64> = mine.iter().flatten().map(|r| r.time).collect();
         print_median(&format!("{label:<18} time to agent"), &got, rounds);
         print_steal(label, &runs.into_iter().flatten().collect::<Vec<_>>());
